@@ -1,0 +1,625 @@
+"""The queue store contract: Cube Store's QUEUE command set, and the one algorithm behind it.
+
+`QueueStore` owns the rules of every command (validation, dedup, concurrency, visibility,
+orphaned/stalled, result consumption, wake-ups). A concrete store only provides
+persistence: `_atomic()` opens one atomic transaction and yields a `StoreTransaction` whose
+small hooks read and write items, counters and results. So the in-memory store, the
+SQLite store and any later one get identical semantics by construction, and one
+conformance suite checks them all.
+
+Semantics are Cube Store's (`cube-queue-spec.md` section 10) with these deliberate choices:
+
+* timestamps are integer milliseconds from an injected clock;
+* priority is -10000..10000, highest first, FIFO by queue id within a priority;
+* ADD_AND_RETRIEVE retrieves iff the item is newly added and
+  `active + pending (not counting itself) < concurrency`;
+* a re-ADD of a pending item that has its own orphan deadline extends the deadline to the
+  later of the two (Cube Store keeps the first, which reaps queries that callers still poll);
+* results live `result_ttl_ms` (5 minutes by default); RESULT by path consumes once, by id
+  or external id reads many; RESULT_BLOCKING wakes every waiter of the item on ACK;
+* active items never expire silently: stalled ones leave only through TO_CANCEL / CANCEL.
+
+Every command is one atomic transaction; bad input raises `InvalidCommandError` before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import orjson
+
+from engine import validation as v
+from engine.clock import Clock, SystemClock
+from engine.errors import ExclusiveAccessError, ExternalIdConflictError, InvalidCommandError
+from engine.responses import (
+    AckResponse,
+    AddAndRetrieveResponse,
+    AddToQueueResponse,
+    ItemStatus,
+    ListResponse,
+    QueryDefResponse,
+    QueueId,
+    QueueKey,
+    ResultResponse,
+    ResultStatus,
+    RetrieveResponse,
+    ToCancelResponse,
+)
+from engine.waiters import AckEvent, ResultWaiters
+
+DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
+# ACK deletes at most this many expired results, so cleanup never makes one command slow.
+PURGE_BATCH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One queue item as stored. `payload` is only loaded when asked for."""
+
+    id: QueueId
+    prefix: str
+    key: str
+    status: ItemStatus
+    priority: int
+    created: int
+    heartbeat: int | None
+    orphaned: int | None  # absolute deadline in ms, only when ADD gave ORPHANED
+    extra: str | None
+    process_id: str | None
+    exclusive: bool
+    external_id: str | None
+    payload: str | None = None
+
+    @property
+    def path(self) -> str:
+        return f"{self.prefix}:{self.key}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResult:
+    id: QueueId
+    path: str
+    value: str
+    deleted: bool
+    expire: int
+    external_id: str | None
+
+
+class StoreTransaction(Protocol):
+    """Persistence hooks, all called inside one atomic transaction.
+
+    Orders: `items()` and `orphaned_items()` return priority desc, queue id asc, except that
+    `items(status="active")`, `active_keys()` and `stalled_items()` return queue id asc.
+    Result reads ignore rows whose `expire` is not after `now`.
+    """
+
+    def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None: ...
+
+    def external_id_taken(self, external_id: str) -> bool: ...
+
+    def insert(self, item: Item) -> QueueId:
+        """Insert a new item (its `id` is ignored) and return the id assigned to it."""
+        ...
+
+    def activate(self, item: Item, now: int) -> None: ...
+
+    def set_heartbeat(self, item: Item, now: int) -> None: ...
+
+    def set_orphaned(self, item: Item, deadline: int) -> None: ...
+
+    def set_extra(self, item: Item, extra: str | None) -> None: ...
+
+    def delete(self, item: Item) -> None: ...
+
+    def counts(self, prefix: str) -> tuple[int, int]:
+        """(pending, active) of the prefix, for all processes."""
+        ...
+
+    def active_keys(self, prefix: str) -> list[str]: ...
+
+    def items(
+        self,
+        prefix: str,
+        status: ItemStatus | None,
+        *,
+        process_id: str | None,
+        with_payload: bool,
+        limit: int | None,
+    ) -> list[Item]:
+        """Items visible to `process_id`: not exclusive, or exclusive and owned by it."""
+        ...
+
+    def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
+        """Pending items past their own deadline, or (without one) older than the timeout."""
+        ...
+
+    def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
+        """Active items whose heartbeat (or creation, without one) is older than the timeout."""
+        ...
+
+    def insert_result(self, result: StoredResult) -> None: ...
+
+    def result_by_id(self, id: QueueId, now: int) -> StoredResult | None: ...
+
+    def latest_result_by_path(self, path: str, now: int) -> StoredResult | None: ...
+
+    def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None: ...
+
+    def mark_result_deleted(self, id: QueueId) -> None: ...
+
+    def delete_result(self, id: QueueId) -> None: ...
+
+    def purge_expired_results(self, now: int, limit: int) -> int: ...
+
+    def truncate(self) -> None: ...
+
+
+class QueueStore(ABC):
+    """The QUEUE command set. Subclasses implement `_atomic()` and `close()` only."""
+
+    def __init__(
+        self, *, clock: Clock | None = None, result_ttl_ms: int = DEFAULT_RESULT_TTL_MS
+    ) -> None:
+        if result_ttl_ms <= 0:
+            raise ValueError("result_ttl_ms must be positive")
+        self.clock: Clock = clock or SystemClock()
+        self.result_ttl_ms = result_ttl_ms
+        self.waiters = ResultWaiters()
+
+    @abstractmethod
+    def _atomic(self) -> AbstractContextManager[StoreTransaction]:
+        """One atomic, serialized transaction; rolled back if the block raises."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    # -- QUEUE ADD / ADD_AND_RETRIEVE -------------------------------------------------
+
+    def add(
+        self,
+        path: str,
+        payload: str,
+        *,
+        priority: int = 0,
+        orphaned: float | None = None,
+        external_id: str | None = None,
+        exclusive: bool = False,
+        process_id: str | None = None,
+    ) -> AddToQueueResponse:
+        """QUEUE ADD [EXCLUSIVE] [PRIORITY n] [ORPHANED s] [EXTERNAL_ID e] path payload."""
+        new = self._new_item(path, payload, priority, orphaned, external_id, exclusive, process_id)
+        with self._atomic() as tx:
+            existing = self._find_for_add(tx, new)
+            if existing is not None:
+                pending, _ = tx.counts(new.prefix)
+                return AddToQueueResponse(id=existing.id, added=False, pending=pending)
+            pending, _ = tx.counts(new.prefix)
+            queue_id = tx.insert(new)
+            return AddToQueueResponse(id=queue_id, added=True, pending=pending + 1)
+
+    def add_and_retrieve(
+        self,
+        path: str,
+        payload: str,
+        concurrency: int,
+        *,
+        priority: int = 0,
+        orphaned: float | None = None,
+        external_id: str | None = None,
+        exclusive: bool = False,
+        process_id: str | None = None,
+    ) -> AddAndRetrieveResponse:
+        """QUEUE ADD_AND_RETRIEVE ... path payload concurrency: insert, then retrieve if the
+        prefix has a slot for it and for everything already pending."""
+        new = self._new_item(path, payload, priority, orphaned, external_id, exclusive, process_id)
+        v.check_concurrency(concurrency)
+        with self._atomic() as tx:
+            existing = self._find_for_add(tx, new)
+            pending, active = tx.counts(new.prefix)
+            if existing is not None:
+                return AddAndRetrieveResponse(
+                    id=existing.id,
+                    added=False,
+                    pending=pending,
+                    active=_join(tx.active_keys(new.prefix)),
+                    payload=None,
+                    extra=None,
+                )
+            # A fresh item is always visible to its adder (EXCLUSIVE needs the adder's process id).
+            if active + pending < concurrency:
+                queue_id = tx.insert(replace(new, status="active", heartbeat=new.created))
+                return AddAndRetrieveResponse(
+                    id=queue_id,
+                    added=True,
+                    pending=pending,
+                    active=_join(tx.active_keys(new.prefix)),
+                    payload=new.payload,
+                    extra=None,
+                )
+            queue_id = tx.insert(new)
+            return AddAndRetrieveResponse(
+                id=queue_id,
+                added=True,
+                pending=pending + 1,
+                active=_join(tx.active_keys(new.prefix)),
+                payload=None,
+                extra=None,
+            )
+
+    def _new_item(
+        self,
+        path: str,
+        payload: str,
+        priority: int,
+        orphaned: float | None,
+        external_id: str | None,
+        exclusive: bool,
+        process_id: str | None,
+    ) -> Item:
+        prefix, key = v.split_path(path)
+        v.check_json("payload", payload)
+        v.check_priority(priority)
+        orphaned_ms = v.check_orphaned_seconds(orphaned)
+        v.check_external_id(external_id)
+        v.check_process_id(process_id)
+        if not isinstance(exclusive, bool):
+            raise InvalidCommandError("exclusive must be a bool")
+        if exclusive and process_id is None:
+            raise InvalidCommandError("EXCLUSIVE needs the process id of the connection")
+        now = self.clock.now_ms()
+        return Item(
+            id=0,
+            prefix=prefix,
+            key=key,
+            status="pending",
+            priority=priority,
+            created=now,
+            heartbeat=None,
+            orphaned=None if orphaned_ms is None else now + orphaned_ms,
+            extra=None,
+            process_id=process_id,
+            exclusive=exclusive,
+            external_id=external_id,
+            payload=payload,
+        )
+
+    @staticmethod
+    def _find_for_add(tx: StoreTransaction, new: Item) -> Item | None:
+        """The item already at `new.path`, after applying the re-ADD rule; raises on an
+        EXTERNAL_ID held by another item."""
+        existing = tx.find(new.path)
+        if existing is not None:
+            if (
+                existing.status == "pending"
+                and existing.orphaned is not None
+                and new.orphaned is not None
+                and new.orphaned > existing.orphaned
+            ):
+                tx.set_orphaned(existing, new.orphaned)
+            return existing
+        if new.external_id is not None and tx.external_id_taken(new.external_id):
+            raise ExternalIdConflictError(
+                f"external id {new.external_id!r} is already used by another queued item"
+            )
+        return None
+
+    # -- QUEUE RETRIEVE ----------------------------------------------------------------
+
+    def retrieve(
+        self,
+        key: QueueKey,
+        *,
+        concurrency: int = 1,
+        extended: bool = True,
+        process_id: str | None = None,
+    ) -> RetrieveResponse | None:
+        """QUEUE RETRIEVE [EXTENDED] CONCURRENCY n key: move a pending item to active.
+
+        Priority-blind: the caller picks the item. Fails (None, or with `extended` a row
+        whose payload and id are None) when the prefix has `concurrency` active items, the
+        item is missing or already active, or it is another process's exclusive item.
+        """
+        v.check_key(key)
+        v.check_concurrency(concurrency)
+        v.check_process_id(process_id)
+        now = self.clock.now_ms()
+        with self._atomic() as tx:
+            item = tx.find(key, with_payload=True)
+            prefix = item.prefix if item is not None else _prefix_of(key)
+            if prefix is None:
+                pending, active_keys = 0, []
+            else:
+                pending, _ = tx.counts(prefix)
+                active_keys = tx.active_keys(prefix)
+            retrievable = (
+                item is not None
+                and len(active_keys) < concurrency
+                and item.status == "pending"
+                and self._may_retrieve(item, process_id)
+            )
+            if not retrievable or item is None:
+                if not extended:
+                    return None
+                return RetrieveResponse(
+                    payload=None, extra=None, pending=pending, active=_join(active_keys), id=None
+                )
+            tx.activate(item, now)
+            return RetrieveResponse(
+                payload=item.payload,
+                extra=item.extra,
+                pending=pending - 1,
+                active=_join(tx.active_keys(item.prefix)),
+                id=item.id,
+            )
+
+    @staticmethod
+    def _may_retrieve(item: Item, process_id: str | None) -> bool:
+        if not item.exclusive:
+            return True
+        if process_id is None:
+            raise ExclusiveAccessError(
+                f"item {item.path!r} is EXCLUSIVE; RETRIEVE needs the caller's process id"
+            )
+        return item.process_id == process_id
+
+    # -- QUEUE ACK / RESULT / RESULT_BLOCKING ------------------------------------------
+
+    def ack(self, key: QueueKey, result: str | None) -> AckResponse:
+        """QUEUE ACK key result|NULL: remove the item (any status), keep its result, and
+        wake every RESULT_BLOCKING waiter of it. Unknown or already acked → success False."""
+        v.check_key(key)
+        v.check_json("result", result, nullable=True)
+        now = self.clock.now_ms()
+        with self._atomic() as tx:
+            item = tx.find(key)
+            if item is None:
+                return AckResponse(success=False)
+            tx.delete(item)
+            if result is not None:
+                tx.insert_result(
+                    StoredResult(
+                        id=item.id,
+                        path=item.path,
+                        value=result,
+                        deleted=False,
+                        expire=now + self.result_ttl_ms,
+                        external_id=item.external_id,
+                    )
+                )
+            tx.purge_expired_results(now, PURGE_BATCH)
+        # Decide, then act: waiters are woken only once the result is committed.
+        self.waiters.publish(AckEvent(item.id, item.path, result, item.external_id))
+        return AckResponse(success=True)
+
+    def result(self, key: QueueKey, *, external_id: str | None = None) -> ResultResponse | None:
+        """QUEUE RESULT [EXTERNAL_ID e] key.
+
+        By external id or by queue id a result reads many times while it lives; by path it
+        is consumed by the first read. A path result created for another external id is not
+        served to a caller that names its own.
+        """
+        v.check_key(key)
+        v.check_external_id(external_id)
+        with self._atomic() as tx:
+            return self._lookup_result(tx, key, external_id, self.clock.now_ms())
+
+    @staticmethod
+    def _lookup_result(
+        tx: StoreTransaction, key: QueueKey, external_id: str | None, now: int
+    ) -> ResultResponse | None:
+        if external_id is not None:
+            found = tx.latest_result_by_external_id(external_id, now)
+            if found is not None:
+                if not found.deleted:
+                    tx.mark_result_deleted(found.id)
+                return _result_response(found)
+        if isinstance(key, int):
+            found = tx.result_by_id(key, now)
+            if found is None:
+                return None
+        else:
+            found = tx.latest_result_by_path(key, now)
+            if found is None or found.deleted:
+                return None
+            if external_id is not None and found.external_id not in (None, external_id):
+                return None
+        if not found.deleted:
+            tx.mark_result_deleted(found.id)
+        return _result_response(found)
+
+    async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
+        """QUEUE RESULT_BLOCKING timeout key: RESULT, or wait up to `timeout_ms` for the ACK.
+
+        The waiter subscribes before it reads, so an ACK in between is never missed. An ACK
+        with NULL answers a row whose payload is None; a timeout answers None.
+        """
+        v.check_key(key)
+        v.check_non_negative_ms("timeout", timeout_ms)
+        waiter = self.waiters.subscribe(key)
+        try:
+            with self._atomic() as tx:
+                found = self._lookup_result(tx, key, None, self.clock.now_ms())
+            if found is not None:
+                return found
+            try:
+                event = await asyncio.wait_for(asyncio.shield(waiter.future), timeout_ms / 1000)
+            except TimeoutError:
+                return None
+        finally:
+            self.waiters.unsubscribe(waiter)
+        if event.result is not None:
+            with self._atomic() as tx:
+                # Cube Store: a waiter by path takes the row, a waiter by id leaves it readable.
+                if isinstance(key, int):
+                    tx.mark_result_deleted(event.id)
+                else:
+                    tx.delete_result(event.id)
+        return ResultResponse(
+            payload=event.result,
+            type=ResultStatus.SUCCESS,
+            id=event.id,
+            external_id=event.external_id,
+        )
+
+    # -- QUEUE GET / CANCEL / HEARTBEAT / MERGE_EXTRA ---------------------------------
+
+    def get(self, key: QueueKey) -> QueryDefResponse | None:
+        v.check_key(key)
+        with self._atomic() as tx:
+            item = tx.find(key, with_payload=True)
+        if item is None or item.payload is None:
+            return None
+        return QueryDefResponse(payload=item.payload, extra=item.extra)
+
+    def cancel(self, key: QueueKey) -> QueryDefResponse | None:
+        """QUEUE CANCEL key: remove a pending or active item. No result, no wake-up."""
+        v.check_key(key)
+        with self._atomic() as tx:
+            item = tx.find(key, with_payload=True)
+            if item is None or item.payload is None:
+                return None
+            tx.delete(item)
+        return QueryDefResponse(payload=item.payload, extra=item.extra)
+
+    def heartbeat(self, key: QueueKey) -> bool:
+        """QUEUE HEARTBEAT key. Returns whether the item exists (Cube Store answers nothing)."""
+        v.check_key(key)
+        now = self.clock.now_ms()
+        with self._atomic() as tx:
+            item = tx.find(key)
+            if item is None:
+                return False
+            tx.set_heartbeat(item, now)
+            return True
+
+    def merge_extra(self, key: QueueKey, extra: str) -> bool:
+        """QUEUE MERGE_EXTRA key json: shallow-merge two JSON objects (new keys win); a JSON
+        null clears extra; anything else replaces it. Returns whether the item exists."""
+        v.check_key(key)
+        v.check_json("extra", extra)
+        with self._atomic() as tx:
+            item = tx.find(key)
+            if item is None:
+                return False
+            tx.set_extra(item, _merge_extra(item.extra, extra))
+            return True
+
+    # -- QUEUE LIST / PENDING / ACTIVE ---------------------------------------------------
+
+    def list_items(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]:
+        """QUEUE LIST [WITH_PAYLOAD] prefix: priority desc, then queue id asc."""
+        return self._list(prefix, None, with_payload, process_id, None)
+
+    def pending(
+        self,
+        prefix: str,
+        *,
+        with_payload: bool = False,
+        process_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[ListResponse]:
+        """QUEUE PENDING prefix: priority desc, then queue id asc. `limit` (our extension)
+        returns only the head, which is all reconcile reads."""
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 0
+        ):
+            raise InvalidCommandError("limit must be a non-negative integer")
+        return self._list(prefix, "pending", with_payload, process_id, limit)
+
+    def active(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]:
+        """QUEUE ACTIVE prefix: in queue id order."""
+        return self._list(prefix, "active", with_payload, process_id, None)
+
+    def _list(
+        self,
+        prefix: str,
+        status: ItemStatus | None,
+        with_payload: bool,
+        process_id: str | None,
+        limit: int | None,
+    ) -> list[ListResponse]:
+        v.check_prefix(prefix)
+        v.check_process_id(process_id)
+        with self._atomic() as tx:
+            items = tx.items(
+                prefix, status, process_id=process_id, with_payload=with_payload, limit=limit
+            )
+        return [
+            ListResponse(
+                id=item.key,
+                queue_id=item.id,
+                status=item.status,
+                extra=item.extra,
+                payload=item.payload if with_payload else None,
+            )
+            for item in items
+        ]
+
+    # -- QUEUE TO_CANCEL / STALLED / ORPHANED -------------------------------------------
+
+    def to_cancel(
+        self, heartbeat_timeout_ms: int | None, orphaned_timeout_ms: int | None, prefix: str
+    ) -> list[ToCancelResponse]:
+        """QUEUE TO_CANCEL: stalled active items, then orphaned pending ones. No visibility
+        filter: any process may reap any item."""
+        v.check_non_negative_ms("heartbeat timeout", heartbeat_timeout_ms, nullable=True)
+        v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms, nullable=True)
+        v.check_prefix(prefix)
+        now = self.clock.now_ms()
+        with self._atomic() as tx:
+            found: list[Item] = []
+            if heartbeat_timeout_ms is not None:
+                found += tx.stalled_items(prefix, now, heartbeat_timeout_ms)
+            if orphaned_timeout_ms is not None:
+                found += tx.orphaned_items(prefix, now, orphaned_timeout_ms)
+        return [ToCancelResponse(id=item.key, queue_id=item.id) for item in found]
+
+    def stalled(self, heartbeat_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
+        v.check_non_negative_ms("heartbeat timeout", heartbeat_timeout_ms)
+        return self.to_cancel(heartbeat_timeout_ms, None, prefix)
+
+    def orphaned(self, orphaned_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
+        v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms)
+        return self.to_cancel(None, orphaned_timeout_ms, prefix)
+
+    # -- QUEUE TRUNCATE -----------------------------------------------------------------
+
+    def truncate(self) -> None:
+        """Remove every item and result of every prefix. Queue ids are never reused."""
+        with self._atomic() as tx:
+            tx.truncate()
+
+
+def _join(keys: list[str]) -> str | None:
+    return ",".join(keys) if keys else None
+
+
+def _prefix_of(key: QueueKey) -> str | None:
+    return key.rpartition(":")[0] if isinstance(key, str) else None
+
+
+def _result_response(found: StoredResult) -> ResultResponse:
+    return ResultResponse(
+        payload=found.value, type=ResultStatus.SUCCESS, id=found.id, external_id=found.external_id
+    )
+
+
+def _merge_extra(current: str | None, new: str) -> str | None:
+    update = orjson.loads(new)
+    if update is None:
+        return None
+    if current is None:
+        return new
+    base = orjson.loads(current)
+    if isinstance(base, dict) and isinstance(update, dict):
+        return orjson.dumps({**base, **update}).decode()
+    return new

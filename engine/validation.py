@@ -1,0 +1,138 @@
+"""Argument checks shared by every store. Each raises InvalidCommandError naming the argument."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+
+from engine.errors import InvalidCommandError
+from engine.responses import QueueKey
+
+MIN_PRIORITY = -10_000
+MAX_PRIORITY = 10_000
+MAX_PATH_LENGTH = 512
+MAX_PREFIX_LENGTH = 255
+MAX_EXTERNAL_ID_LENGTH = 48  # Cube Store's limit
+MAX_PROCESS_ID_LENGTH = 96  # Cube Store's limit
+
+
+def check_priority(priority: Any) -> int:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidCommandError(f"priority must be an integer, got {type(priority).__name__}")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidCommandError(
+            f"priority should be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority}"
+        )
+    return priority
+
+
+def check_prefix(prefix: Any) -> str:
+    if not isinstance(prefix, str):
+        raise InvalidCommandError(f"prefix must be a string, got {type(prefix).__name__}")
+    if len(prefix) > MAX_PREFIX_LENGTH:
+        raise InvalidCommandError(
+            f"prefix is {len(prefix)} characters, the limit is {MAX_PREFIX_LENGTH}"
+        )
+    return prefix
+
+
+def split_path(path: Any) -> tuple[str, str]:
+    """`prefix:key`, split at the last colon as Cube Store does."""
+    if not isinstance(path, str):
+        raise InvalidCommandError(f"path must be a string, got {type(path).__name__}")
+    if not path:
+        raise InvalidCommandError("path is empty")
+    if len(path) > MAX_PATH_LENGTH:
+        raise InvalidCommandError(f"path is {len(path)} characters, the limit is {MAX_PATH_LENGTH}")
+    prefix, sep, key = path.rpartition(":")
+    if not sep:
+        raise InvalidCommandError(f"path {path!r} has no ':' between prefix and key")
+    if not key:
+        raise InvalidCommandError(f"path {path!r} has an empty key after the last ':'")
+    check_prefix(prefix)
+    return prefix, key
+
+
+def check_key(key: Any) -> QueueKey:
+    """A queue key is a path string or a positive integer queue id."""
+    if isinstance(key, bool):
+        raise InvalidCommandError("queue key must be a path or an integer id, got bool")
+    if isinstance(key, int):
+        if key < 1:
+            raise InvalidCommandError(f"queue id must be positive, got {key}")
+        return key
+    split_path(key)
+    return key  # type: ignore[no-any-return]
+
+
+def check_json(name: str, text: Any, *, nullable: bool = False) -> str | None:
+    if text is None:
+        if nullable:
+            return None
+        raise InvalidCommandError(f"{name} is missing")
+    if not isinstance(text, str):
+        raise InvalidCommandError(f"{name} must be JSON text, got {type(text).__name__}")
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidCommandError(f"{name} is not valid JSON: {exc}") from None
+    return text
+
+
+def check_external_id(external_id: Any) -> str | None:
+    if external_id is None:
+        return None
+    if not isinstance(external_id, str):
+        raise InvalidCommandError(f"external id must be a string, got {type(external_id).__name__}")
+    if not external_id:
+        raise InvalidCommandError("external id is empty")
+    if len(external_id) > MAX_EXTERNAL_ID_LENGTH:
+        raise InvalidCommandError(
+            f"external id is {len(external_id)} characters, the limit is {MAX_EXTERNAL_ID_LENGTH}"
+        )
+    return external_id
+
+
+def check_process_id(process_id: Any) -> str | None:
+    if process_id is None:
+        return None
+    if not isinstance(process_id, str) or not process_id:
+        raise InvalidCommandError("process id must be a non-empty string")
+    if len(process_id) > MAX_PROCESS_ID_LENGTH:
+        raise InvalidCommandError(
+            f"process id is {len(process_id)} characters, the limit is {MAX_PROCESS_ID_LENGTH}"
+        )
+    return process_id
+
+
+def check_non_negative_ms(name: str, value: Any, *, nullable: bool = False) -> int | None:
+    if value is None:
+        if nullable:
+            return None
+        raise InvalidCommandError(f"{name} is missing")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidCommandError(f"{name} must be an integer number of milliseconds")
+    if value < 0:
+        raise InvalidCommandError(f"{name} must not be negative, got {value}")
+    return value
+
+
+def check_orphaned_seconds(value: Any) -> int | None:
+    """ORPHANED is given in seconds (fractions allowed); returns milliseconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidCommandError("orphaned timeout must be a number of seconds")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidCommandError(f"orphaned timeout must be a non-negative number, got {value}")
+    return round(value * 1000)
+
+
+def check_concurrency(concurrency: Any) -> int:
+    if not isinstance(concurrency, int) or isinstance(concurrency, bool):
+        raise InvalidCommandError("concurrency must be an integer")
+    if concurrency < 1:
+        raise InvalidCommandError(f"concurrency must be at least 1, got {concurrency}")
+    return concurrency

@@ -1,0 +1,75 @@
+"""In-process wake-ups for RESULT_BLOCKING.
+
+A waiter subscribes *before* the store is read, so an ACK that commits between the read
+and the wait is still delivered. ACK publishes after its transaction commits; publishing
+is thread-safe and never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from engine.responses import QueueId, QueueKey
+
+
+@dataclass(frozen=True, slots=True)
+class AckEvent:
+    id: QueueId
+    path: str
+    result: str | None
+    external_id: str | None
+
+
+class Waiter:
+    __slots__ = ("future", "key", "loop")
+
+    def __init__(self, key: QueueKey, loop: asyncio.AbstractEventLoop) -> None:
+        self.key = key
+        self.loop = loop
+        self.future: asyncio.Future[AckEvent] = loop.create_future()
+
+
+class ResultWaiters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[QueueKey, set[Waiter]] = {}
+
+    def subscribe(self, key: QueueKey) -> Waiter:
+        waiter = Waiter(key, asyncio.get_running_loop())
+        with self._lock:
+            self._waiters.setdefault(key, set()).add(waiter)
+        return waiter
+
+    def unsubscribe(self, waiter: Waiter) -> None:
+        with self._lock:
+            waiters = self._waiters.get(waiter.key)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[waiter.key]
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(w) for w in self._waiters.values())
+
+    def publish(self, event: AckEvent) -> int:
+        """Wake every waiter of the item, addressed by id or by path. Returns how many."""
+        with self._lock:
+            targets = [*self._waiters.pop(event.id, ()), *self._waiters.pop(event.path, ())]
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        for waiter in targets:
+            if waiter.loop is running:
+                _resolve(waiter.future, event)
+            elif not waiter.loop.is_closed():
+                waiter.loop.call_soon_threadsafe(_resolve, waiter.future, event)
+        return len(targets)
+
+
+def _resolve(future: asyncio.Future[AckEvent], event: AckEvent) -> None:
+    if not future.done():
+        future.set_result(event)

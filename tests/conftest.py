@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver_sqlite.store import SqliteQueueStore
+from engine.clock import ManualClock
+from engine.memory_store import MemoryQueueStore
+from engine.store import QueueStore
+
+StoreFactory = Callable[..., QueueStore]
+
+STORE_KINDS = ["memory", "sqlite"]
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture(params=STORE_KINDS)
+def make_store(
+    request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock
+) -> Iterator[StoreFactory]:
+    """Builds stores of one kind (the parameter) on the shared manual clock."""
+    made: list[QueueStore] = []
+
+    def make(**options: Any) -> QueueStore:
+        options.setdefault("clock", clock)
+        store: QueueStore
+        if request.param == "memory":
+            store = MemoryQueueStore(**options)
+        else:
+            store = SqliteQueueStore(tmp_path / f"queue-{len(made)}.db", **options)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+@pytest.fixture
+def store(make_store: StoreFactory) -> QueueStore:
+    return make_store()

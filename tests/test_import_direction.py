@@ -1,0 +1,58 @@
+"""Imports flow one way: leaves import nothing of ours, the engine never imports a concrete
+store or the supervisor, and a store never imports the supervisor."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"engine", "driver_sqlite", "driver_postgres", "supervisor", "benchmarks"}
+# package -> packages of ours it may import
+ALLOWED = {
+    "engine": {"engine"},
+    "driver_sqlite": {"engine", "driver_sqlite"},
+    "driver_postgres": {"engine", "driver_postgres"},
+    "supervisor": {"engine", "driver_sqlite", "driver_postgres", "supervisor"},
+}
+LEAVES = {"engine/errors.py", "engine/clock.py", "engine/responses.py"}
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & OURS
+
+
+def _modules() -> list[Path]:
+    return sorted(p for package in ALLOWED for p in (ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("module", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_flow_one_way(module: Path) -> None:
+    relative = module.relative_to(ROOT).as_posix()
+    package = relative.split("/")[0]
+    imported = _imports(module)
+    if relative in LEAVES:
+        assert imported - {"engine"} == set()
+        assert not any(
+            name.startswith("engine.") and name not in {"engine.errors", "engine.responses"}
+            for name in _full_imports(module)
+        ), f"{relative} is a leaf and must not import the engine's other modules"
+    assert imported <= ALLOWED[package], f"{relative} imports {imported - ALLOWED[package]}"
+
+
+def _full_imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names

@@ -1,0 +1,159 @@
+"""A process writing through the SQLite store is `kill -9`ed mid-stream: every command it saw
+commit is there after reopening, and no command is there in part."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from driver_sqlite.store import SqliteQueueStore
+from engine.errors import SchemaVersionError, StoreError
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from driver_sqlite.store import SqliteQueueStore
+
+    store = SqliteQueueStore(sys.argv[1], synchronous=sys.argv[2])
+    out = sys.stdout
+    i = 0
+    while True:  # runs until killed
+        path = f"d:{i}"
+        qid = store.add(path, '{"i": %d}' % i, priority=i % 7, orphaned=60).id
+        out.write(f"add {i} {qid}\\n")
+        if i % 3 == 0:
+            store.retrieve(path, concurrency=1_000_000)
+            out.write(f"retrieve {i} {qid}\\n")
+            store.ack(qid, '{"result": %d}' % i)
+            out.write(f"ack {i} {qid}\\n")
+        elif i % 3 == 1:
+            store.merge_extra(qid, '{"seen": %d}' % i)
+            out.write(f"extra {i} {qid}\\n")
+        out.flush()
+        i += 1
+    """
+)
+
+
+@pytest.mark.parametrize("synchronous", ["NORMAL", "FULL"])
+def test_kill_9_loses_no_committed_command_and_leaves_none_partial(
+    tmp_path: Path, synchronous: str
+) -> None:
+    db = tmp_path / "queue.db"
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(db), synchronous],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + 60
+        while sum(line.startswith("ack") for line in seen) < 40:
+            line = child.stdout.readline()
+            assert line, f"writer exited early with {child.poll()}"
+            seen.append(line)
+            assert time.monotonic() < deadline, "writer too slow"
+        os.kill(child.pid, signal.SIGKILL)
+        rest, _ = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    # Lines the child wrote before dying were all confirmed commits, flushed or not yet read.
+    confirmed = [
+        line.split() for line in seen + rest.splitlines(keepends=True) if line.endswith("\n")
+    ]
+
+    store = SqliteQueueStore(db)
+    try:
+        acked = {int(i) for op, i, _ in confirmed if op == "ack"}
+        extra = {int(i) for op, i, _ in confirmed if op == "extra"}
+        for op, i_text, qid_text in confirmed:
+            i, qid = int(i_text), int(qid_text)
+            if op == "add" and i not in acked:
+                got = store.get(qid)
+                assert got is not None and orjson.loads(got.payload) == {"i": i}
+            if op == "ack":
+                assert store.get(qid) is None
+                result = store.result(qid)
+                assert result is not None and result.payload == f'{{"result": {i}}}'
+            if op == "extra":
+                got = store.get(qid)
+                assert got is not None and got.extra == f'{{"seen": {i}}}'
+        assert extra and acked
+    finally:
+        store.close()
+    _assert_consistent(db)
+
+
+def _assert_consistent(db: Path) -> None:
+    """No half-applied command: counters agree with rows, an acked item has no row left."""
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        counted = dict(
+            conn.execute(
+                "SELECT prefix, sum(status = 0) || ',' || sum(status = 1) FROM items GROUP BY prefix"
+            ).fetchall()
+        )
+        kept = {
+            prefix: f"{pending},{active}"
+            for prefix, pending, active in conn.execute(
+                "SELECT prefix, pending, active FROM prefix_counts"
+            )
+            if pending or active
+        }
+        assert kept == counted
+        both = conn.execute("SELECT count(*) FROM items JOIN results USING (id)").fetchone()
+        assert both == (0,)
+    finally:
+        conn.close()
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    SqliteQueueStore(db).close()
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA user_version = 999")
+    conn.close()
+    with pytest.raises(SchemaVersionError, match="999"):
+        SqliteQueueStore(db)
+
+
+def test_reopening_keeps_state_and_id_sequence(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    store = SqliteQueueStore(db)
+    first = store.add("p:a", "{}").id
+    store.add("p:b", "{}")
+    store.ack(first, '{"r":1}')
+    store.close()
+    store = SqliteQueueStore(db, synchronous="FULL")
+    try:
+        assert [row.id for row in store.pending("p")] == ["b"]
+        assert store.result(first) is not None
+        assert store.add("p:c", "{}").id == first + 2
+    finally:
+        store.close()
+
+
+def test_unopenable_database_is_a_store_error(tmp_path: Path) -> None:
+    not_a_db = tmp_path / "garbage.db"
+    not_a_db.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match=r"garbage\.db"):
+        SqliteQueueStore(not_a_db)
+    with pytest.raises(ValueError, match="synchronous"):
+        SqliteQueueStore(tmp_path / "x.db", synchronous="OFF")  # type: ignore[arg-type]

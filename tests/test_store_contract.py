@@ -1,0 +1,606 @@
+"""The queue store conformance suite: every test runs against every store implementation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from engine.clock import ManualClock
+from engine.errors import ExclusiveAccessError, ExternalIdConflictError, InvalidCommandError
+from engine.responses import (
+    AckResponse,
+    AddAndRetrieveResponse,
+    AddToQueueResponse,
+    ListResponse,
+    QueryDefResponse,
+    ResultStatus,
+    RetrieveResponse,
+    ToCancelResponse,
+)
+from engine.store import QueueStore
+from tests.conftest import StoreFactory
+from tests.waiting import wait_until
+
+P = "q"
+
+
+def path(key: str, prefix: str = P) -> str:
+    return f"{prefix}:{key}"
+
+
+def payload(**fields: object) -> str:
+    return orjson.dumps(fields).decode()
+
+
+def keys(rows: list[ListResponse]) -> list[str]:
+    return [row.id for row in rows]
+
+
+# -- ADD ----------------------------------------------------------------------------------
+
+
+def test_add_assigns_increasing_ids_and_counts_pending(store: QueueStore) -> None:
+    assert store.add(path("a"), payload(n=1)) == AddToQueueResponse(id=1, added=True, pending=1)
+    assert store.add(path("b"), payload(n=2)) == AddToQueueResponse(id=2, added=True, pending=2)
+    # pending is scoped to the prefix
+    assert store.add(path("a", "other"), payload()) == AddToQueueResponse(
+        id=3, added=True, pending=1
+    )
+
+
+def test_re_add_of_same_path_returns_existing_id_and_changes_nothing(store: QueueStore) -> None:
+    first = store.add(path("a"), payload(v="first"), priority=1)
+    again = store.add(path("a"), payload(v="second"), priority=9, external_id="ext-2")
+    assert again == AddToQueueResponse(id=first.id, added=False, pending=1)
+    assert store.get(path("a")) == QueryDefResponse(payload=payload(v="first"), extra=None)
+    assert store.pending(P)[0].queue_id == first.id
+    # the second caller's external id was not attached to the item
+    store.ack(first.id, payload(r=1))
+    assert store.result(path("zz"), external_id="ext-2") is None
+
+
+def test_re_add_of_active_item_is_deduplicated(store: QueueStore) -> None:
+    added = store.add(path("a"), payload())
+    store.retrieve(path("a"), concurrency=1)
+    assert store.add(path("a"), payload()) == AddToQueueResponse(
+        id=added.id, added=False, pending=0
+    )
+
+
+def test_ids_are_not_reused_after_ack_cancel_or_truncate(store: QueueStore) -> None:
+    a = store.add(path("a"), payload()).id
+    store.ack(a, None)
+    b = store.add(path("a"), payload()).id
+    store.cancel(b)
+    store.truncate()
+    c = store.add(path("a"), payload()).id
+    assert a < b < c
+
+
+def test_external_id_held_by_another_item_is_refused(store: QueueStore) -> None:
+    store.add(path("a"), payload(), external_id="req-1")
+    with pytest.raises(ExternalIdConflictError, match="req-1"):
+        store.add(path("b"), payload(), external_id="req-1")
+    assert keys(store.pending(P)) == ["a"]
+
+
+# -- priority and order -----------------------------------------------------------------
+
+
+def test_pending_is_priority_desc_then_fifo(store: QueueStore, clock: ManualClock) -> None:
+    store.add(path("low"), payload(), priority=-5)
+    store.add(path("mid1"), payload(), priority=0)
+    store.add(path("high"), payload(), priority=10000)
+    store.add(path("mid2"), payload(), priority=0)
+    clock.advance(1)
+    store.add(path("lowest"), payload(), priority=-10000)
+    assert keys(store.pending(P)) == ["high", "mid1", "mid2", "low", "lowest"]
+    assert keys(store.pending(P, limit=2)) == ["high", "mid1"]
+    assert keys(store.list_items(P)) == ["high", "mid1", "mid2", "low", "lowest"]
+
+
+def test_active_is_in_queue_id_order_and_list_shows_status(store: QueueStore) -> None:
+    for name, priority in [("a", 0), ("b", 5), ("c", 1)]:
+        store.add(path(name), payload(), priority=priority)
+    store.retrieve(path("c"), concurrency=5)
+    store.retrieve(path("a"), concurrency=5)
+    assert keys(store.active(P)) == ["a", "c"]
+    listed = store.list_items(P, with_payload=True)
+    assert [(r.id, r.status) for r in listed] == [
+        ("b", "pending"),
+        ("c", "active"),
+        ("a", "active"),
+    ]
+    assert all(r.payload == payload() for r in listed)
+    assert all(r.payload is None for r in store.list_items(P))
+
+
+# -- RETRIEVE ------------------------------------------------------------------------------
+
+
+def test_retrieve_moves_pending_to_active(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload(q=1)).id
+    store.add(path("b"), payload(q=2))
+    got = store.retrieve(path("a"), concurrency=2)
+    assert got == RetrieveResponse(payload=payload(q=1), extra=None, pending=1, active="a", id=qid)
+    assert [(r.id, r.status) for r in store.list_items(P)] == [("a", "active"), ("b", "pending")]
+
+
+def test_retrieve_respects_concurrency(store: QueueStore) -> None:
+    for name in "abc":
+        store.add(path(name), payload())
+    assert store.retrieve(path("a"), concurrency=2) is not None
+    assert store.retrieve(path("b"), concurrency=2) is not None
+    failed = store.retrieve(path("c"), concurrency=2)
+    assert failed == RetrieveResponse(payload=None, extra=None, pending=1, active="a,b", id=None)
+    assert store.retrieve(path("c"), concurrency=2, extended=False) is None
+    assert keys(store.pending(P)) == ["c"]
+
+
+def test_retrieve_of_missing_or_active_item_fails(store: QueueStore) -> None:
+    store.add(path("a"), payload())
+    assert store.retrieve(path("a"), concurrency=5) is not None
+    again = store.retrieve(path("a"), concurrency=5)
+    assert again is not None and again.payload is None and again.active == "a"
+    missing = store.retrieve(path("nope"), concurrency=5)
+    assert missing == RetrieveResponse(payload=None, extra=None, pending=0, active="a", id=None)
+    assert store.retrieve(99, concurrency=5) == RetrieveResponse(None, None, 0, None, None)
+
+
+def test_retrieve_by_queue_id(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    got = store.retrieve(qid, concurrency=1)
+    assert got is not None and got.id == qid and got.active == "a"
+
+
+def test_retrieve_returns_extra(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    store.merge_extra(qid, payload(note="x"))
+    got = store.retrieve(path("a"))
+    assert got is not None and got.extra == payload(note="x")
+
+
+# -- ADD_AND_RETRIEVE ------------------------------------------------------------------------
+
+
+def test_add_and_retrieve_takes_a_free_slot(store: QueueStore) -> None:
+    got = store.add_and_retrieve(path("a"), payload(q=1), 2, priority=10)
+    assert got == AddAndRetrieveResponse(
+        id=got.id, added=True, pending=0, active="a", payload=payload(q=1), extra=None
+    )
+    assert [(r.id, r.status) for r in store.list_items(P)] == [("a", "active")]
+
+
+def test_add_and_retrieve_leaves_a_slot_for_every_pending_item(store: QueueStore) -> None:
+    store.add(path("waiting"), payload())  # pending 1, active 0
+    got = store.add_and_retrieve(path("a"), payload(), 2)  # 0 + 1 < 2
+    assert got.payload is not None and got.pending == 1
+    got = store.add_and_retrieve(path("b"), payload(), 2)  # 1 + 1 == 2: stays pending
+    assert got.payload is None and got.added and got.pending == 2 and got.active == "a"
+    assert keys(store.pending(P)) == ["waiting", "b"]
+
+
+def test_add_and_retrieve_burst_onto_idle_queue_takes_exactly_concurrency(
+    store: QueueStore,
+) -> None:
+    retrieved = [
+        store.add_and_retrieve(path(f"k{i}"), payload(), 3).payload is not None for i in range(7)
+    ]
+    assert retrieved == [True, True, True, False, False, False, False]
+    assert len(store.active(P)) == 3 and len(store.pending(P)) == 4
+
+
+def test_add_and_retrieve_of_existing_item_does_not_retrieve(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    got = store.add_and_retrieve(path("a"), payload(), 5)
+    assert got == AddAndRetrieveResponse(
+        id=qid, added=False, pending=1, active=None, payload=None, extra=None
+    )
+    assert keys(store.pending(P)) == ["a"]
+
+
+# -- EXCLUSIVE -------------------------------------------------------------------------------
+
+
+def test_exclusive_items_are_visible_and_retrievable_only_by_their_process(
+    store: QueueStore,
+) -> None:
+    store.add(path("mine"), payload(), exclusive=True, process_id="p1")
+    store.add(path("shared"), payload())
+    assert keys(store.list_items(P, process_id="p1")) == ["mine", "shared"]
+    assert keys(store.list_items(P, process_id="p2")) == ["shared"]
+    assert keys(store.pending(P)) == ["shared"]
+    failed = store.retrieve(path("mine"), concurrency=5, process_id="p2")
+    assert failed is not None and failed.payload is None
+    with pytest.raises(ExclusiveAccessError):
+        store.retrieve(path("mine"), concurrency=5)
+    assert store.retrieve(path("mine"), concurrency=5, process_id="p1") is not None
+    assert keys(store.active(P, process_id="p1")) == ["mine"]
+    assert keys(store.active(P, process_id="p2")) == []
+
+
+def test_exclusive_needs_a_process_id(store: QueueStore) -> None:
+    with pytest.raises(InvalidCommandError, match="EXCLUSIVE"):
+        store.add(path("a"), payload(), exclusive=True)
+    assert store.list_items(P) == []
+
+
+def test_counts_ignore_exclusivity(store: QueueStore) -> None:
+    store.add(path("x"), payload(), exclusive=True, process_id="p1")
+    store.retrieve(path("x"), concurrency=1, process_id="p1")
+    store.add(path("y"), payload())
+    # another process's exclusive active item still takes the only slot
+    failed = store.retrieve(path("y"), concurrency=1, process_id="p2")
+    assert failed is not None and failed.payload is None and failed.active == "x"
+
+
+# -- ACK and results ---------------------------------------------------------------------------
+
+
+def test_ack_removes_item_and_stores_result(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload(), external_id="req-1").id
+    store.retrieve(qid)
+    assert store.ack(qid, payload(result=42)) == AckResponse(success=True)
+    assert store.list_items(P) == []
+    got = store.result(qid)
+    assert got is not None
+    assert (got.payload, got.type, got.id, got.external_id) == (
+        payload(result=42),
+        ResultStatus.SUCCESS,
+        qid,
+        "req-1",
+    )
+
+
+def test_ack_of_unknown_or_already_acked_item_fails(store: QueueStore) -> None:
+    assert store.ack(path("nope"), payload()) == AckResponse(success=False)
+    assert store.ack(12345, None) == AckResponse(success=False)
+    qid = store.add(path("a"), payload()).id
+    assert store.ack(qid, payload(r=1)).success
+    assert not store.ack(qid, payload(r=2)).success
+    got = store.result(qid)
+    assert got is not None and got.payload == payload(r=1)
+
+
+def test_ack_of_stale_id_does_not_touch_the_new_item_at_the_same_path(store: QueueStore) -> None:
+    old = store.add(path("a"), payload()).id
+    store.cancel(old)
+    new = store.add(path("a"), payload()).id
+    assert not store.ack(old, payload()).success
+    assert keys(store.pending(P)) == ["a"] and store.pending(P)[0].queue_id == new
+
+
+def test_ack_of_pending_item_is_accepted(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    assert store.ack(path("a"), payload(r=1)).success
+    assert store.result(qid) is not None
+
+
+def test_ack_with_null_stores_no_result(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    assert store.ack(qid, None).success
+    assert store.result(qid) is None
+    assert store.result(path("a")) is None
+
+
+def test_result_by_path_is_consumed_once_by_id_read_many(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    store.ack(qid, payload(r=1))
+    assert store.result(path("a")) is not None
+    assert store.result(path("a")) is None
+    assert store.result(qid) is not None
+    assert store.result(qid) is not None
+
+
+def test_result_by_id_marks_the_path_result_consumed(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    store.ack(qid, payload(r=1))
+    assert store.result(qid) is not None
+    assert store.result(path("a")) is None
+
+
+def test_result_by_external_id_reads_many(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload(), external_id="req-1").id
+    store.ack(qid, payload(r=1))
+    for _ in range(3):
+        got = store.result(path("a"), external_id="req-1")
+        assert got is not None and got.id == qid
+    # the path read falls through to path rules once the external id misses
+    assert store.result(path("a"), external_id="req-2") is None
+
+
+def test_result_for_another_external_id_is_not_served(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload(), external_id="req-1").id
+    store.ack(qid, payload(r=1))
+    assert store.result(path("a"), external_id="req-2") is None
+    got = store.result(path("a"))  # no external id given: path rules
+    assert got is not None and got.external_id == "req-1"
+
+
+def test_latest_result_for_a_path_wins(store: QueueStore) -> None:
+    first = store.add(path("a"), payload()).id
+    store.ack(first, payload(run=1))
+    second = store.add(path("a"), payload()).id
+    store.ack(second, payload(run=2))
+    got = store.result(path("a"))
+    assert got is not None and got.id == second and got.payload == payload(run=2)
+
+
+def test_results_expire_after_their_ttl(make_store: StoreFactory, clock: ManualClock) -> None:
+    store = make_store(result_ttl_ms=1_000)
+    qid = store.add(path("a"), payload()).id
+    store.ack(qid, payload(r=1))
+    clock.advance(999)
+    assert store.result(qid) is not None
+    clock.advance(1)
+    assert store.result(qid) is None
+    assert store.result(path("a")) is None
+
+
+def test_expired_results_are_purged_by_later_acks(
+    make_store: StoreFactory, clock: ManualClock
+) -> None:
+    store = make_store(result_ttl_ms=1_000)
+    old = store.add(path("old"), payload()).id
+    store.ack(old, payload(r=1))
+    clock.advance(2_000)
+    new = store.add(path("new"), payload()).id
+    store.ack(new, payload(r=2))
+    clock.set(clock.now_ms() - 2_000)  # look back in time: the old row must be gone, not hidden
+    assert store.result(old) is None
+    assert store.result(new) is not None
+
+
+# -- RESULT_BLOCKING -----------------------------------------------------------------------------
+
+
+async def test_result_blocking_returns_existing_result_at_once(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    store.ack(qid, payload(r=1))
+    got = await store.result_blocking(qid, 10_000)
+    assert got is not None and got.payload == payload(r=1)
+
+
+async def test_result_blocking_is_woken_by_ack_for_every_waiter(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload(), external_id="req").id
+    waiters = [asyncio.create_task(store.result_blocking(qid, 10_000)) for _ in range(3)]
+    waiters.append(asyncio.create_task(store.result_blocking(path("a"), 10_000)))
+    await wait_until(lambda: store.waiters.count() == 4)
+    store.retrieve(qid)
+    assert store.ack(qid, payload(r=7)).success
+    results = await asyncio.wait_for(asyncio.gather(*waiters), 5)
+    assert [(r.id, r.payload, r.external_id) for r in results if r] == [
+        (qid, payload(r=7), "req")
+    ] * 4
+    assert store.waiters.count() == 0
+
+
+async def test_result_blocking_times_out_with_none(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    assert await store.result_blocking(qid, 20) is None
+    assert store.waiters.count() == 0
+    assert keys(store.pending(P)) == ["a"]
+
+
+async def test_result_blocking_ack_with_null_answers_a_row_without_payload(
+    store: QueueStore,
+) -> None:
+    qid = store.add(path("a"), payload()).id
+    waiter = asyncio.create_task(store.result_blocking(qid, 10_000))
+    await wait_until(lambda: store.waiters.count() == 1)
+    store.ack(qid, None)
+    got = await asyncio.wait_for(waiter, 5)
+    assert got is not None and got.payload is None and got.id == qid
+
+
+async def test_result_blocking_by_path_takes_the_row_by_id_leaves_it(store: QueueStore) -> None:
+    by_id = store.add(path("a"), payload()).id
+    waiter = asyncio.create_task(store.result_blocking(by_id, 10_000))
+    await wait_until(lambda: store.waiters.count() == 1)
+    store.ack(by_id, payload(r=1))
+    await asyncio.wait_for(waiter, 5)
+    assert store.result(by_id) is not None
+
+    by_path = store.add(path("b"), payload()).id
+    waiter = asyncio.create_task(store.result_blocking(path("b"), 10_000))
+    await wait_until(lambda: store.waiters.count() == 1)
+    store.ack(by_path, payload(r=2))
+    await asyncio.wait_for(waiter, 5)
+    assert store.result(by_path) is None
+
+
+async def test_result_blocking_cancelled_leaves_no_waiter(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    waiter = asyncio.create_task(store.result_blocking(qid, 60_000))
+    await wait_until(lambda: store.waiters.count() == 1)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert store.waiters.count() == 0
+    assert store.ack(qid, payload()).success
+
+
+# -- GET / CANCEL / HEARTBEAT / MERGE_EXTRA ------------------------------------------------
+
+
+def test_get_by_path_and_id(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload(q=1)).id
+    assert store.get(path("a")) == store.get(qid) == QueryDefResponse(payload(q=1), None)
+    assert store.get(path("b")) is None and store.get(qid + 1) is None
+
+
+def test_cancel_removes_pending_or_active_without_result(store: QueueStore) -> None:
+    a = store.add(path("a"), payload(q="a")).id
+    store.add(path("b"), payload(q="b"))
+    store.retrieve(path("b"), concurrency=2)
+    store.merge_extra(path("b"), payload(started=1))
+    assert store.cancel(a) == QueryDefResponse(payload(q="a"), None)
+    assert store.cancel(path("b")) == QueryDefResponse(payload(q="b"), payload(started=1))
+    assert store.cancel(path("b")) is None
+    assert store.list_items(P) == []
+    assert store.result(a) is None
+    # the freed slot can be taken
+    store.add(path("c"), payload())
+    assert store.retrieve(path("c"), concurrency=1) is not None
+
+
+def test_merge_extra_merges_objects_shallowly(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    assert store.merge_extra(qid, payload(a=1, nested={"x": 1}))
+    assert store.merge_extra(path("a"), payload(b=2, nested={"y": 2}))
+    got = store.get(qid)
+    assert got is not None and got.extra is not None
+    assert orjson.loads(got.extra) == {"a": 1, "b": 2, "nested": {"y": 2}}
+    assert store.merge_extra(qid, "[1,2]")
+    assert store.get(qid) == QueryDefResponse(payload(), "[1,2]")
+    assert store.merge_extra(qid, "null")
+    assert store.get(qid) == QueryDefResponse(payload(), None)
+    assert not store.merge_extra(999, payload(a=1))
+
+
+def test_heartbeat_keeps_active_item_from_stalling(store: QueueStore, clock: ManualClock) -> None:
+    qid = store.add(path("a"), payload()).id
+    store.retrieve(qid)
+    clock.advance(900)
+    assert store.heartbeat(path("a"))
+    clock.advance(900)
+    assert store.stalled(1_000, P) == []
+    clock.advance(101)
+    assert store.stalled(1_000, P) == [ToCancelResponse("a", qid)]
+    assert not store.heartbeat(999)
+
+
+# -- ORPHANED / STALLED / TO_CANCEL ------------------------------------------------------------
+
+
+def test_orphaned_pending_items_by_age_or_own_deadline(
+    store: QueueStore, clock: ManualClock
+) -> None:
+    plain = store.add(path("plain"), payload()).id
+    own = store.add(path("own"), payload(), orphaned=5).id  # deadline 5 s from now
+    active = store.add(path("act"), payload()).id
+    store.retrieve(active, concurrency=5)
+    clock.advance(2_001)
+    assert store.orphaned(2_000, P) == [ToCancelResponse("plain", plain)]
+    clock.advance(2_999)  # exactly at own's deadline: not yet past it
+    assert store.orphaned(2_000, P) == [ToCancelResponse("plain", plain)]
+    clock.advance(1)  # past own's deadline; active items are never orphaned
+    assert store.orphaned(2_000, P) == [
+        ToCancelResponse("plain", plain),
+        ToCancelResponse("own", own),
+    ]
+
+
+def test_re_add_extends_the_orphan_deadline_to_the_later_one(
+    store: QueueStore, clock: ManualClock
+) -> None:
+    qid = store.add(path("a"), payload(), orphaned=2).id
+    clock.advance(1_500)
+    store.add(path("a"), payload(), orphaned=2)  # deadline moves to now + 2 s
+    clock.advance(1_000)
+    assert store.orphaned(60_000, P) == []
+    store.add(path("a"), payload(), orphaned=0.5)  # earlier: ignored
+    clock.advance(1_001)
+    assert store.orphaned(60_000, P) == [ToCancelResponse("a", qid)]
+
+
+def test_stalled_active_items_by_heartbeat(store: QueueStore, clock: ManualClock) -> None:
+    a = store.add(path("a"), payload()).id
+    store.add(path("b"), payload())
+    store.retrieve(a, concurrency=5)
+    clock.advance(1_001)
+    # pending items never stall, whatever their age
+    assert store.stalled(1_000, P) == [ToCancelResponse("a", a)]
+
+
+def test_to_cancel_combines_and_ignores_visibility(store: QueueStore, clock: ManualClock) -> None:
+    s = store.add(path("stalled"), payload(), exclusive=True, process_id="p1").id
+    store.retrieve(s, concurrency=5, process_id="p1")
+    o = store.add(path("orphan"), payload(), exclusive=True, process_id="p1").id
+    clock.advance(5_000)
+    fresh = store.add(path("fresh"), payload()).id
+    got = store.to_cancel(1_000, 1_000, P)
+    assert got == [ToCancelResponse("stalled", s), ToCancelResponse("orphan", o)]
+    assert fresh not in [r.queue_id for r in got]
+    assert store.to_cancel(None, None, P) == []
+    assert store.to_cancel(1_000, None, "another-prefix") == []
+
+
+def test_active_items_never_expire_silently(store: QueueStore, clock: ManualClock) -> None:
+    qid = store.add(path("a"), payload()).id
+    store.retrieve(qid)
+    clock.advance(10 * 24 * 3600 * 1000)
+    assert [r.queue_id for r in store.active(P)] == [qid]
+    assert store.cancel(qid) is not None
+
+
+# -- TRUNCATE -----------------------------------------------------------------------------------
+
+
+def test_truncate_removes_items_and_results_of_every_prefix(store: QueueStore) -> None:
+    a = store.add(path("a"), payload()).id
+    store.add(path("b", "other"), payload())
+    store.ack(a, payload(r=1))
+    store.add(path("c"), payload())
+    store.retrieve(path("c"))
+    store.truncate()
+    assert store.list_items(P) == [] and store.list_items("other") == []
+    assert store.result(a) is None
+    # counters were reset too
+    assert store.add(path("d"), payload()).pending == 1
+    assert store.retrieve(path("d"), concurrency=1) is not None
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+BAD_CALLS = [
+    ("priority above range", lambda s: s.add(path("x"), payload(), priority=10_001), "priority"),
+    ("priority below range", lambda s: s.add(path("x"), payload(), priority=-10_001), "priority"),
+    ("priority not int", lambda s: s.add(path("x"), payload(), priority="1"), "priority"),
+    ("payload not JSON", lambda s: s.add(path("x"), "{nope"), "payload"),
+    ("payload not text", lambda s: s.add(path("x"), b"{}"), "payload"),
+    ("empty path", lambda s: s.add("", payload()), "path"),
+    ("path without prefix", lambda s: s.add("nocolon", payload()), "path"),
+    ("path with empty key", lambda s: s.add("q:", payload()), "path"),
+    ("over-long path", lambda s: s.add("q:" + "x" * 600, payload()), "path"),
+    (
+        "over-long external id",
+        lambda s: s.add(path("x"), payload(), external_id="e" * 49),
+        "external id",
+    ),
+    ("empty external id", lambda s: s.add(path("x"), payload(), external_id=""), "external id"),
+    ("negative orphaned", lambda s: s.add(path("x"), payload(), orphaned=-1), "orphaned"),
+    ("zero concurrency", lambda s: s.add_and_retrieve(path("x"), payload(), 0), "concurrency"),
+    ("retrieve zero concurrency", lambda s: s.retrieve(path("a"), concurrency=0), "concurrency"),
+    ("unknown id form", lambda s: s.get(0), "queue id"),
+    ("key of wrong type", lambda s: s.get(1.5), "path"),
+    ("ack result not JSON", lambda s: s.ack(path("a"), "not json"), "result"),
+    ("extra not JSON", lambda s: s.merge_extra(path("a"), "{"), "extra"),
+    ("negative heartbeat timeout", lambda s: s.to_cancel(-1, 10, P), "heartbeat timeout"),
+    ("negative orphaned timeout", lambda s: s.orphaned(-5, P), "orphaned timeout"),
+    ("negative stalled timeout", lambda s: s.stalled(-5, P), "heartbeat timeout"),
+    ("negative pending limit", lambda s: s.pending(P, limit=-1), "limit"),
+    ("over-long process id", lambda s: s.list_items(P, process_id="p" * 97), "process id"),
+]
+
+
+@pytest.mark.parametrize(("case", "call", "named"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_is_refused_by_name_and_changes_nothing(
+    store: QueueStore, case: str, call: object, named: str
+) -> None:
+    qid = store.add(path("a"), payload(q=1), orphaned=30).id
+    store.add(path("b"), payload(q=2))
+    store.retrieve(path("b"), concurrency=5)
+    before = (store.list_items(P, with_payload=True), store.get(qid))
+    assert callable(call)
+    with pytest.raises(InvalidCommandError, match=named):
+        call(store)
+    assert (store.list_items(P, with_payload=True), store.get(qid)) == before
+
+
+async def test_bad_result_blocking_input(store: QueueStore) -> None:
+    with pytest.raises(InvalidCommandError, match="timeout"):
+        await store.result_blocking(1, -1)
+    assert store.waiters.count() == 0

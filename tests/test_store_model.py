@@ -1,0 +1,181 @@
+"""Model-based test: random command sequences give identical responses on every store.
+
+The in-memory store is the model; the SQLite store must answer every command exactly as
+it does, errors included, and both must keep the queue's invariants after every step.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from driver_sqlite.store import SqliteQueueStore
+from engine.clock import ManualClock
+from engine.errors import InvalidCommandError
+from engine.memory_store import MemoryQueueStore
+from engine.store import QueueStore
+
+PREFIXES = ["a", "b"]
+KEYS = ["k1", "k2", "k3", "k4", "k5", "x@p1"]
+PROCESSES = [None, "p1", "p2"]
+EXTERNAL_IDS = [None, "e1", "e2"]
+
+paths = st.builds(lambda p, k: f"{p}:{k}", st.sampled_from(PREFIXES), st.sampled_from(KEYS))
+queue_ids = st.integers(min_value=1, max_value=40)
+queue_keys = st.one_of(paths, queue_ids)
+# Mostly valid input, with enough bad input that error answers are compared too.
+payloads = st.sampled_from(
+    ['{"q":1}', '{"q":2}', "{}", '{"n":[1,2]}', '"text"', '{"q":3}', "{bad json"]
+)
+priorities = st.sampled_from([0, 0, 0, 1, 1, 10, -10000, 10000, 10001])
+orphaned = st.sampled_from([None, None, 0, 1, 2.5, 10])
+processes = st.sampled_from(PROCESSES)
+timeouts = st.sampled_from([None, 0, 250, 1000, 3000])
+
+
+def call(store: QueueStore, method: str, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return ("ok", getattr(store, method)(*args, **kwargs))
+    except InvalidCommandError as exc:
+        return ("error", type(exc).__name__, str(exc))
+
+
+class StoresAgree(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = ManualClock()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.stores: list[QueueStore] = [
+            MemoryQueueStore(clock=self.clock, result_ttl_ms=5_000),
+            SqliteQueueStore(Path(self.tmp.name) / "q.db", clock=self.clock, result_ttl_ms=5_000),
+        ]
+
+    def teardown(self) -> None:
+        for store in self.stores:
+            store.close()
+        self.tmp.cleanup()
+
+    def same(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        answers = [call(store, method, *args, **kwargs) for store in self.stores]
+        assert answers[0] == answers[1], f"{method}{args}{kwargs}: {answers}"
+        return answers[0]
+
+    @rule(ms=st.sampled_from([1, 250, 1000, 2500]))
+    def advance(self, ms: int) -> None:
+        self.clock.advance(ms)
+
+    @rule(
+        path=paths,
+        payload=payloads,
+        priority=priorities,
+        orphaned=orphaned,
+        external_id=st.sampled_from(EXTERNAL_IDS),
+        exclusive=st.sampled_from([False, False, False, True]),
+        process_id=processes,
+    )
+    def add(self, **kwargs: Any) -> None:
+        self.same("add", kwargs.pop("path"), kwargs.pop("payload"), **kwargs)
+
+    @rule(
+        path=paths,
+        payload=payloads,
+        concurrency=st.integers(0, 3),
+        priority=priorities,
+        orphaned=orphaned,
+        external_id=st.sampled_from(EXTERNAL_IDS),
+        exclusive=st.sampled_from([False, False, False, True]),
+        process_id=processes,
+    )
+    def add_and_retrieve(self, **kwargs: Any) -> None:
+        self.same(
+            "add_and_retrieve",
+            kwargs.pop("path"),
+            kwargs.pop("payload"),
+            kwargs.pop("concurrency"),
+            **kwargs,
+        )
+
+    @rule(
+        key=queue_keys, concurrency=st.integers(0, 3), extended=st.booleans(), process_id=processes
+    )
+    def retrieve(self, key: Any, concurrency: int, extended: bool, process_id: str | None) -> None:
+        # An EXCLUSIVE item retrieved without a process id raises ExclusiveAccessError
+        # (an InvalidCommandError): compared like any other answer.
+        self.same(
+            "retrieve", key, concurrency=concurrency, extended=extended, process_id=process_id
+        )
+
+    @rule(key=queue_keys, result=st.one_of(st.none(), payloads))
+    def ack(self, key: Any, result: str | None) -> None:
+        self.same("ack", key, result)
+
+    @rule(key=queue_keys, external_id=st.sampled_from(EXTERNAL_IDS))
+    def result(self, key: Any, external_id: str | None) -> None:
+        self.same("result", key, external_id=external_id)
+
+    @rule(key=queue_keys)
+    def get(self, key: Any) -> None:
+        self.same("get", key)
+
+    @rule(key=queue_keys)
+    def cancel(self, key: Any) -> None:
+        self.same("cancel", key)
+
+    @rule(key=queue_keys)
+    def heartbeat(self, key: Any) -> None:
+        self.same("heartbeat", key)
+
+    @rule(key=queue_keys, extra=st.sampled_from(['{"a":1}', '{"b":2,"a":3}', "null", "[1]", "{x"]))
+    def merge_extra(self, key: Any, extra: str) -> None:
+        self.same("merge_extra", key, extra)
+
+    @rule(prefix=st.sampled_from(PREFIXES), with_payload=st.booleans(), process_id=processes)
+    def list_items(self, prefix: str, with_payload: bool, process_id: str | None) -> None:
+        self.same("list_items", prefix, with_payload=with_payload, process_id=process_id)
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        process_id=processes,
+        limit=st.one_of(st.none(), st.integers(0, 3)),
+    )
+    def pending(self, prefix: str, process_id: str | None, limit: int | None) -> None:
+        self.same("pending", prefix, process_id=process_id, limit=limit)
+
+    @rule(prefix=st.sampled_from(PREFIXES), process_id=processes)
+    def active(self, prefix: str, process_id: str | None) -> None:
+        self.same("active", prefix, process_id=process_id)
+
+    @rule(prefix=st.sampled_from(PREFIXES), heartbeat=timeouts, orphaned=timeouts)
+    def to_cancel(self, prefix: str, heartbeat: int | None, orphaned: int | None) -> None:
+        self.same("to_cancel", heartbeat, orphaned, prefix)
+
+    @rule()
+    def truncate(self) -> None:
+        self.same("truncate")
+
+    @invariant()
+    def counts_match_lists(self) -> None:
+        for prefix in PREFIXES:
+            for store in self.stores:
+                everything = store.list_items(prefix, process_id="p1") + [
+                    row
+                    for row in store.list_items(prefix, process_id="p2")
+                    if row.queue_id
+                    not in {r.queue_id for r in store.list_items(prefix, process_id="p1")}
+                ]
+                pending = sum(row.status == "pending" for row in everything)
+                probe = store.retrieve(f"{prefix}:__probe__", concurrency=10_000)
+                assert probe is not None and probe.pending == pending
+                active_keys = sorted(row.id for row in everything if row.status == "active")
+                assert (
+                    sorted((probe.active or "").split(",") if probe.active else []) == active_keys
+                )
+
+
+TestStoresAgree = StoresAgree.TestCase
+TestStoresAgree.settings = settings(max_examples=1000, stateful_step_count=30, deadline=None)
