@@ -41,5 +41,9 @@ class ContinueWaitError(QueueError):
         super().__init__(message)
 
 
+class QueryError(QueueError):
+    """The query failed; the message is its handler's error message (results carry only that)."""
+
+
 class QueryTimeoutError(QueueError, TimeoutError):
-    """A query ran past its execution timeout."""
+    """A query ran past its execution timeout (raised inside the executing process)."""

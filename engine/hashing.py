@@ -49,7 +49,7 @@ def _write(value: Any, out: list[str]) -> None:
     elif isinstance(value, int):
         out.append(str(value))
     elif isinstance(value, float):
-        out.append(_js_number(value))
+        out.append(js_number(value))
     elif isinstance(value, Mapping):
         out.append("{")
         first = True
@@ -86,7 +86,7 @@ def _is_array_index(key: str) -> bool:
     )
 
 
-def _js_number(x: float) -> str:
+def js_number(x: float) -> str:
     """ECMAScript Number::toString for a double."""
     if not math.isfinite(x):
         return "null"

@@ -1,0 +1,224 @@
+"""The driver interface: the QUEUE command set, awaited.
+
+`QueueDriver` is what `QueryQueue` talks to and the one thing that changes between
+deployments: `LocalQueueDriver` runs the commands on a store in this process (memory for
+development and tests, SQLite for a single process); the supervisor's socket client sends
+them to the process that owns the store. Signatures and semantics are those of
+`engine.store.QueueStore`, where each command is documented; every call is atomic.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.memory_store import MemoryQueueStore
+from engine.responses import (
+    AckResponse,
+    AddAndRetrieveResponse,
+    AddToQueueResponse,
+    ListResponse,
+    QueryDefResponse,
+    QueueKey,
+    ResultResponse,
+    RetrieveResponse,
+    ToCancelResponse,
+)
+from engine.store import QueueStore
+
+
+class QueueDriver(Protocol):
+    """Cube Store's QUEUE commands. See `QueueStore` for each command's contract."""
+
+    async def add(
+        self,
+        path: str,
+        payload: str,
+        *,
+        priority: int = 0,
+        orphaned: float | None = None,
+        external_id: str | None = None,
+        exclusive: bool = False,
+        process_id: str | None = None,
+    ) -> AddToQueueResponse: ...
+
+    async def add_and_retrieve(
+        self,
+        path: str,
+        payload: str,
+        concurrency: int,
+        *,
+        priority: int = 0,
+        orphaned: float | None = None,
+        external_id: str | None = None,
+        exclusive: bool = False,
+        process_id: str | None = None,
+    ) -> AddAndRetrieveResponse: ...
+
+    async def retrieve(
+        self,
+        key: QueueKey,
+        *,
+        concurrency: int = 1,
+        extended: bool = True,
+        process_id: str | None = None,
+    ) -> RetrieveResponse | None: ...
+
+    async def ack(self, key: QueueKey, result: str | None) -> AckResponse: ...
+
+    async def result(
+        self, key: QueueKey, *, external_id: str | None = None
+    ) -> ResultResponse | None: ...
+
+    async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None: ...
+
+    async def get(self, key: QueueKey) -> QueryDefResponse | None: ...
+
+    async def cancel(self, key: QueueKey) -> QueryDefResponse | None: ...
+
+    async def heartbeat(self, key: QueueKey) -> bool: ...
+
+    async def merge_extra(self, key: QueueKey, extra: str) -> bool: ...
+
+    async def list_items(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]: ...
+
+    async def pending(
+        self,
+        prefix: str,
+        *,
+        with_payload: bool = False,
+        process_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[ListResponse]: ...
+
+    async def active(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]: ...
+
+    async def to_cancel(
+        self, heartbeat_timeout_ms: int | None, orphaned_timeout_ms: int | None, prefix: str
+    ) -> list[ToCancelResponse]: ...
+
+    async def truncate(self) -> None: ...
+
+
+class LocalQueueDriver:
+    """The QUEUE commands on a store in this process.
+
+    With no store, a fresh in-memory one. Queues that should share state (two `QueryQueue`s
+    with one prefix, as Cube's memory driver shares per prefix) share the store object:
+    there is no module-level registry.
+    """
+
+    def __init__(self, store: QueueStore | None = None) -> None:
+        self.store = store if store is not None else MemoryQueueStore()
+
+    async def add(
+        self,
+        path: str,
+        payload: str,
+        *,
+        priority: int = 0,
+        orphaned: float | None = None,
+        external_id: str | None = None,
+        exclusive: bool = False,
+        process_id: str | None = None,
+    ) -> AddToQueueResponse:
+        return self.store.add(
+            path,
+            payload,
+            priority=priority,
+            orphaned=orphaned,
+            external_id=external_id,
+            exclusive=exclusive,
+            process_id=process_id,
+        )
+
+    async def add_and_retrieve(
+        self,
+        path: str,
+        payload: str,
+        concurrency: int,
+        *,
+        priority: int = 0,
+        orphaned: float | None = None,
+        external_id: str | None = None,
+        exclusive: bool = False,
+        process_id: str | None = None,
+    ) -> AddAndRetrieveResponse:
+        return self.store.add_and_retrieve(
+            path,
+            payload,
+            concurrency,
+            priority=priority,
+            orphaned=orphaned,
+            external_id=external_id,
+            exclusive=exclusive,
+            process_id=process_id,
+        )
+
+    async def retrieve(
+        self,
+        key: QueueKey,
+        *,
+        concurrency: int = 1,
+        extended: bool = True,
+        process_id: str | None = None,
+    ) -> RetrieveResponse | None:
+        return self.store.retrieve(
+            key, concurrency=concurrency, extended=extended, process_id=process_id
+        )
+
+    async def ack(self, key: QueueKey, result: str | None) -> AckResponse:
+        return self.store.ack(key, result)
+
+    async def result(
+        self, key: QueueKey, *, external_id: str | None = None
+    ) -> ResultResponse | None:
+        return self.store.result(key, external_id=external_id)
+
+    async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
+        return await self.store.result_blocking(key, timeout_ms)
+
+    async def get(self, key: QueueKey) -> QueryDefResponse | None:
+        return self.store.get(key)
+
+    async def cancel(self, key: QueueKey) -> QueryDefResponse | None:
+        return self.store.cancel(key)
+
+    async def heartbeat(self, key: QueueKey) -> bool:
+        return self.store.heartbeat(key)
+
+    async def merge_extra(self, key: QueueKey, extra: str) -> bool:
+        return self.store.merge_extra(key, extra)
+
+    async def list_items(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]:
+        return self.store.list_items(prefix, with_payload=with_payload, process_id=process_id)
+
+    async def pending(
+        self,
+        prefix: str,
+        *,
+        with_payload: bool = False,
+        process_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[ListResponse]:
+        return self.store.pending(
+            prefix, with_payload=with_payload, process_id=process_id, limit=limit
+        )
+
+    async def active(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]:
+        return self.store.active(prefix, with_payload=with_payload, process_id=process_id)
+
+    async def to_cancel(
+        self, heartbeat_timeout_ms: int | None, orphaned_timeout_ms: int | None, prefix: str
+    ) -> list[ToCancelResponse]:
+        return self.store.to_cancel(heartbeat_timeout_ms, orphaned_timeout_ms, prefix)
+
+    async def truncate(self) -> None:
+        self.store.truncate()

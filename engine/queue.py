@@ -1,0 +1,793 @@
+"""QueryQueue: the request side (enqueue, reconcile, long-poll) and the background side
+(process, execute, heartbeat, ack) of `queue-design.txt`, in asyncio.
+
+It never holds queue state: every transition is a QUEUE command through the driver, so
+any number of QueryQueue objects in any number of processes share one queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from engine import events as ev
+from engine.clock import Clock, SystemClock
+from engine.connection import QueryDef, QueueConnection
+from engine.driver import LocalQueueDriver, QueueDriver
+from engine.errors import ContinueWaitError, InvalidCommandError, QueryError, QueryTimeoutError
+from engine.events import EventLogger, Events
+from engine.hashing import hash_query_key, js_number
+from engine.responses import QueueId
+from engine.retrieved import RetrievedQuery
+from engine.store import QueueStore
+from engine.stream import QueryStream
+from engine.validation import MAX_EXTERNAL_ID_LENGTH, MAX_PRIORITY, MIN_PRIORITY
+
+SetCancelHandler = Callable[[Any], None]
+QueryHandler = Callable[[Any, SetCancelHandler], Any]
+CancelHandler = Callable[[QueryDef], Any]
+StreamHandler = Callable[[Any, QueryStream], Awaitable[None]]
+SendProcessMessage = Callable[[RetrievedQuery], Awaitable[None]]
+SendCancelMessage = Callable[[QueryDef, QueueId | None], Awaitable[None]]
+
+STREAM_HANDLER = "stream"
+# The fast track is for latency-sensitive work: QueryCache submits user queries at 10.
+FAST_TRACK_PRIORITY = 10
+HEARTBEAT_LOG_INTERVAL = 5 * 60.0
+
+
+@dataclass(eq=False)
+class _Execution:
+    """One query executing in this process."""
+
+    retrieved: RetrievedQuery
+    cancel_handler: Any = None
+    cancelled: bool = False  # cancelled from outside: the handler's end is not an error of its own
+    external_cancel_fired: bool = False
+    handler_task: asyncio.Future[Any] | None = None
+    side_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+class QueryQueue:
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        query_handlers: Mapping[str, QueryHandler],
+        cancel_handlers: Mapping[str, CancelHandler] | None = None,
+        stream_handler: StreamHandler | None = None,
+        concurrency: int = 2,
+        continue_wait_timeout: float = 5.0,
+        execution_timeout: float = 600.0,
+        orphaned_timeout: float = 120.0,
+        heartbeat_interval: float = 30.0,
+        process_uid: str | None = None,
+        send_process_message_fn: SendProcessMessage | None = None,
+        send_cancel_message_fn: SendCancelMessage | None = None,
+        logger: EventLogger | None = None,
+        driver: QueueDriver | QueueStore | None = None,
+        clock: Clock | None = None,
+        fast_track: bool = True,
+    ) -> None:
+        for name, value in [
+            ("continue_wait_timeout", continue_wait_timeout),
+            ("execution_timeout", execution_timeout),
+            ("orphaned_timeout", orphaned_timeout),
+            ("heartbeat_interval", heartbeat_interval),
+        ]:
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+        self.prefix = prefix
+        self.query_handlers = dict(query_handlers)
+        self.cancel_handlers = dict(cancel_handlers or {})
+        self.stream_handler = stream_handler
+        self.concurrency = concurrency
+        self.continue_wait_timeout = continue_wait_timeout
+        self.execution_timeout = execution_timeout
+        self.orphaned_timeout = orphaned_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.process_uid = process_uid or str(uuid.uuid4())
+        self.fast_track = fast_track
+        self.clock: Clock = clock or SystemClock()
+        self.events = Events(logger)
+        if driver is None or isinstance(driver, QueueStore):
+            driver = LocalQueueDriver(driver)
+        self.driver: QueueDriver = driver
+        self.connection = QueueConnection(
+            driver,
+            prefix,
+            process_uid=self.process_uid,
+            concurrency=concurrency,
+            continue_wait_timeout=continue_wait_timeout,
+            orphaned_timeout=orphaned_timeout,
+            heartbeat_timeout=heartbeat_interval * 4,
+        )
+        self.send_process_message_fn: SendProcessMessage = (
+            send_process_message_fn or self._execute_in_background
+        )
+        self.send_cancel_message_fn: SendCancelMessage = (
+            send_cancel_message_fn or self._cancel_in_background
+        )
+        self.streams: dict[str, QueryStream] = {}
+        self._stream_waiters: dict[str, set[asyncio.Future[QueryStream]]] = {}
+        self._reconcile_task: asyncio.Task[None] | None = None
+        self._reconcile_again = False
+        self.reconcile_runs = 0  # completed reconcileQueueImpl runs, for stats and tests
+        self._executions: dict[QueueId, _Execution] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- request side --------------------------------------------------------------------
+
+    def redis_hash(self, query_key: Any, *, persistent: bool = False) -> str:
+        return hash_query_key(query_key, persistent=persistent, process_uid=self.process_uid)
+
+    async def execute_in_queue(
+        self,
+        query_handler: str,
+        query_key: Any,
+        query: Any,
+        priority: int = 0,
+        *,
+        stage_query_key: Any = None,
+        request_id: str | None = None,
+        span_id: str | None = None,
+    ) -> Any:
+        """Enqueue (or join) a query and wait up to `continue_wait_timeout` for its result.
+
+        Raises `ContinueWaitError` when the wait ends first (call again: the retry finds the
+        result or the same item), `QueryError` with the handler's message when it failed.
+        """
+        if (
+            not isinstance(priority, int)
+            or isinstance(priority, bool)
+            or not (MIN_PRIORITY <= priority <= MAX_PRIORITY)
+        ):
+            raise InvalidCommandError(
+                f"Priority should be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority!r}"
+            )
+        is_stream = query_handler == STREAM_HANDLER
+        if is_stream and self.stream_handler is None:
+            raise InvalidCommandError("a stream query needs a stream_handler")
+        if not is_stream and query_handler not in self.query_handlers:
+            raise InvalidCommandError(f"unknown query handler {query_handler!r}")
+        flags: Mapping[str, Any] = query if isinstance(query, Mapping) else {}
+        conn = self.connection
+        query_key_hash = self.redis_hash(query_key, persistent=is_stream)
+        external_id = _external_id(request_id)
+
+        if not flags.get("forceBuild"):
+            found = await conn.get_result(query_key_hash, external_id)
+            if found is not None and not (isinstance(found, dict) and found.get("streamResult")):
+                return _parse_result(found)
+        elif await conn.get_query_def(query_key_hash) is not None:
+            return None  # a build of this key is already queued or running
+
+        now = self.clock.now_ms()
+        query_def: QueryDef = {
+            "queryHandler": query_handler,
+            "query": query,
+            "queryKey": query_key,
+            "stageQueryKey": stage_query_key,
+            "priority": priority,
+            "requestId": request_id,
+            "addedToQueueTime": now,
+        }
+        try:
+            orjson.dumps(query_def)
+        except TypeError as exc:
+            raise InvalidCommandError(
+                f"query and query key must be JSON serializable: {exc}"
+            ) from None
+        orphaned_timeout = flags.get("orphanedTimeout", self.orphaned_timeout)
+        fast_track = self.fast_track and priority >= FAST_TRACK_PRIORITY
+        # Subscribe before anything can dispatch the stream: a handler that starts at once
+        # would otherwise emit into no listener.
+        stream_waiter = self._subscribe_stream(query_key_hash) if is_stream else None
+        waiting_context: dict[str, Any] | None = None
+        try:
+            added = await conn.add_to_queue(
+                query_key_hash,
+                query_def,
+                priority=priority,
+                orphaned_timeout=orphaned_timeout,
+                external_id=external_id,
+                exclusive=is_stream,
+                fast_track=fast_track,
+            )
+            context = {
+                "queueId": added.queue_id,
+                "spanId": span_id,
+                "queryKey": query_key,
+                "queuePrefix": self.prefix,
+                "requestId": request_id,
+                "waitingForRequestId": request_id,
+            }
+            fast_tracked = added.retrieved is not None
+            if added.added:
+                waiting_context = context
+                self.events.emit(
+                    ev.ADDED_TO_QUEUE,
+                    {
+                        **context,
+                        "priority": priority,
+                        "queueSize": added.queue_size,
+                        "forceBuild": bool(flags.get("forceBuild")),
+                        "persistent": is_stream,
+                        "fastTrack": fast_tracked,
+                    },
+                )
+            if added.retrieved is not None:
+                retrieved = RetrievedQuery(
+                    query_key_hash,
+                    added.queue_id,
+                    added.queue_id,
+                    added.queue_size,
+                    added.retrieved,
+                )
+                try:
+                    await self.send_process_message_fn(retrieved)
+                except Exception as exc:
+                    # The item is active and ours: only the stalled path can reclaim it now.
+                    self.events.emit(ev.ERROR_PROCESSING_MESSAGE, {**context, "error": repr(exc)})
+                    raise ContinueWaitError() from exc
+                active_keys, to_process = list(added.active_keys), list[str]()
+            else:
+                await self.reconcile_queue()
+                if not added.added:
+                    existing = await conn.get_query_def(query_key_hash, added.queue_id)
+                    if existing is not None:
+                        context = {
+                            **context,
+                            "queryKey": existing.get("queryKey"),
+                            "waitingForRequestId": existing.get("requestId"),
+                        }
+                active_keys, to_process, _ = await conn.get_query_stage_state(True)
+            waiting_context = context
+            self.events.emit(
+                ev.WAITING_FOR_QUERY,
+                {
+                    **context,
+                    "queueSize": added.queue_size,
+                    "activeQueryKeys": active_keys,
+                    "toProcessQueryKeys": to_process,
+                    "active": query_key_hash in active_keys,
+                    "queueIndex": to_process.index(query_key_hash)
+                    if query_key_hash in to_process
+                    else -1,
+                    "fastTrack": fast_tracked,
+                },
+            )
+            if stream_waiter is not None:
+                return await self._wait_for_stream(query_key_hash, stream_waiter)
+            if flags.get("isJob"):
+                return None
+            result = await conn.get_result_blocking(query_key_hash, added.queue_id)
+            if result is None:
+                raise ContinueWaitError()
+            return _parse_result(result)
+        except BaseException:
+            if waiting_context is not None:
+                self.events.emit(ev.FINISHED_WAITING, waiting_context)
+            raise
+        finally:
+            if stream_waiter is not None:
+                self._unsubscribe_stream(query_key_hash, stream_waiter)
+
+    # -- reconcile -------------------------------------------------------------------------
+
+    async def reconcile_queue(self) -> None:
+        """Single-flight: callers during a run share it and cause exactly one more run."""
+        if self._reconcile_task is None:
+            self._reconcile_again = False
+            self._reconcile_task = asyncio.ensure_future(self._reconcile_loop())
+        else:
+            self._reconcile_again = True
+        await asyncio.shield(self._reconcile_task)
+
+    async def _reconcile_loop(self) -> None:
+        try:
+            while True:
+                self._reconcile_again = False
+                await self._reconcile_queue_impl()
+                self.reconcile_runs += 1
+                if not self._reconcile_again:
+                    return
+        finally:
+            self._reconcile_task = None
+
+    async def _reconcile_queue_impl(self) -> None:
+        conn = self.connection
+        to_cancel = await conn.get_queries_to_cancel()
+        if to_cancel:
+            await asyncio.gather(*(self._remove_orphaned(h, q) for h, q in to_cancel))
+        active = await conn.get_active_queries()
+        to_process_limit = 1 if len(active) >= self.concurrency else self.concurrency - len(active)
+        to_process = await conn.get_to_process_queries(limit=to_process_limit)
+        # The store hides other processes' persistent items already; the suffix check keeps
+        # the design's rule explicit should a driver not.
+        mine = [
+            (h, q) for h, q in to_process if "@" not in h or h.endswith(f"@{self.process_uid}")
+        ][:to_process_limit]
+        await asyncio.gather(*(self.process_query(h, q) for h, q in mine))
+
+    async def _remove_orphaned(self, query_key_hash: str, queue_id: QueueId) -> None:
+        query_def = await self.connection.get_query_and_remove(query_key_hash, queue_id)
+        if query_def is None:
+            return
+        self.events.emit(
+            ev.REMOVING_ORPHANED,
+            {
+                "queueId": queue_id,
+                "queryKey": query_def.get("queryKey"),
+                "queuePrefix": self.prefix,
+                "requestId": query_def.get("requestId"),
+            },
+        )
+        await self.send_cancel_message_fn(query_def, queue_id)
+
+    # -- background side ----------------------------------------------------------------------
+
+    async def process_query(self, query_key_hash: str, queue_id: QueueId | None = None) -> None:
+        """Retrieve the item and hand it off. Never executes it: the hand-off returns first."""
+        try:
+            got = await self.connection.retrieve_for_processing(query_key_hash)
+            activated = query_key_hash in got.active_keys
+            if got.query is None or got.queue_id is None or not activated:
+                self.events.emit(
+                    ev.SKIP_PROCESSING,
+                    {
+                        "queueId": queue_id,
+                        "queryKey": query_key_hash,
+                        "queuePrefix": self.prefix,
+                        "activeKeys": list(got.active_keys),
+                        "activated": activated,
+                        "queryExists": got.query is not None,
+                    },
+                )
+                await self.connection.free_processing_lock(query_key_hash, queue_id)
+                return
+            retrieved = RetrievedQuery(
+                query_key_hash, got.queue_id, got.queue_id, got.queue_size, got.query
+            )
+            try:
+                await self.send_process_message_fn(retrieved)
+            except Exception as exc:
+                self.events.emit(
+                    ev.ERROR_PROCESSING_MESSAGE,
+                    {
+                        "queueId": got.queue_id,
+                        "queryKey": got.query.get("queryKey"),
+                        "queuePrefix": self.prefix,
+                        "error": repr(exc),
+                    },
+                )
+        except Exception as exc:
+            self.events.emit(
+                ev.QUEUE_STORAGE_ERROR,
+                {
+                    "queueId": queue_id,
+                    "queryKey": query_key_hash,
+                    "queuePrefix": self.prefix,
+                    "error": repr(exc),
+                },
+            )
+
+    async def _execute_in_background(self, retrieved: RetrievedQuery) -> None:
+        self._spawn(self.execute_query(retrieved))
+
+    async def _cancel_in_background(self, query_def: QueryDef, queue_id: QueueId | None) -> None:
+        self._spawn(self.process_cancel(query_def, queue_id))
+
+    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def execute_query(self, retrieved: RetrievedQuery) -> None:
+        """Run a retrieved item to its ACK, then reconcile. Errors are logged, never raised."""
+        query = retrieved.query
+        query_key_hash, queue_id = retrieved.query_key_hash, retrieved.queue_id
+        context = self._execution_context(retrieved)
+        execution = _Execution(retrieved)
+        self._executions[queue_id] = execution
+        conn = self.connection
+        try:
+            start = self.clock.now_ms()
+            self.events.emit(
+                ev.PERFORMING_QUERY,
+                {**context, "timeInQueue": start - query.get("addedToQueueTime", start)},
+            )
+            await conn.optimistic_query_update(query_key_hash, {"startQueryTime": start}, queue_id)
+            heartbeat = asyncio.ensure_future(self._heartbeat(execution, context))
+            started = time.monotonic()
+            try:
+                result = await self._run_handler(execution)
+                self.events.emit(
+                    ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
+                )
+            except Exception as exc:
+                result = {"error": str(exc) or type(exc).__name__}
+                self.events.emit(
+                    ev.ERROR_WHILE_QUERYING,
+                    {**context, "duration": _ms_since(started), "error": repr(exc)},
+                )
+                if isinstance(exc, QueryTimeoutError):
+                    current = await conn.get_query_def(query_key_hash, queue_id)
+                    if current is not None:
+                        self.events.emit(ev.CANCELLING_TIMEOUT, context)
+                        await self.send_cancel_message_fn(
+                            {**current, "cancelHandler": execution.cancel_handler}, queue_id
+                        )
+            finally:
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, *execution.side_tasks, return_exceptions=True)
+            if not await conn.set_result_and_remove_query(query_key_hash, result, queue_id):
+                self.events.emit(
+                    ev.ORPHANED_RESULT,
+                    {
+                        **context,
+                        "warn": "Result for query was not set: the item is no longer in the queue",
+                    },
+                )
+            await self.reconcile_queue()
+        except Exception as exc:
+            self.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
+        finally:
+            self._executions.pop(queue_id, None)
+
+    async def _run_handler(self, execution: _Execution) -> dict[str, Any]:
+        retrieved = execution.retrieved
+        query = retrieved.query
+        name = query.get("queryHandler")
+        loop = asyncio.get_running_loop()
+
+        def set_cancel_handler(value: Any) -> None:
+            # Called from the handler, possibly in a worker thread.
+            execution.cancel_handler = value
+
+            def record() -> None:
+                task = asyncio.ensure_future(self._record_cancel_handler(execution, value))
+                execution.side_tasks.add(task)
+
+            if _in_loop(loop):
+                record()
+            else:
+                loop.call_soon_threadsafe(record)
+
+        if name == STREAM_HANDLER:
+            if self.stream_handler is None:
+                raise QueryError("no stream_handler for a stream query")
+            stream = self._create_query_stream(retrieved.query_key_hash, query.get("query"))
+            task = asyncio.ensure_future(self.stream_handler(query.get("query"), stream))
+            execution.handler_task = task
+            try:
+                await task
+            except asyncio.CancelledError:
+                await stream.end(QueryError("Query was cancelled"))
+                if execution.cancelled and task.cancelled():
+                    raise QueryError("Query was cancelled") from None
+                raise
+            except Exception as exc:
+                await stream.end(exc)
+                raise
+            finally:
+                if self.streams.get(retrieved.query_key_hash) is stream:
+                    del self.streams[retrieved.query_key_hash]
+            await stream.end()
+            return {"streamResult": True}
+
+        handler = self.query_handlers.get(str(name))
+        if handler is None:
+            raise QueryError(f"no query handler {name!r}")
+        if inspect.iscoroutinefunction(handler):
+            execution.handler_task = asyncio.ensure_future(
+                handler(query.get("query"), set_cancel_handler)
+            )
+        else:
+            # A sync handler runs in a thread so this loop keeps heartbeating.
+            execution.handler_task = asyncio.ensure_future(
+                asyncio.to_thread(handler, query.get("query"), set_cancel_handler)
+            )
+        try:
+            value = await asyncio.wait_for(
+                asyncio.shield(execution.handler_task), self.execution_timeout
+            )
+        except TimeoutError:
+            execution.handler_task.cancel()
+            raise QueryTimeoutError(
+                f"Query execution timeout after {js_number(self.execution_timeout / 60)} min of waiting"
+            ) from None
+        except asyncio.CancelledError:
+            if execution.cancelled and execution.handler_task.cancelled():
+                raise QueryError("Query was cancelled") from None
+            raise
+        if inspect.isawaitable(value):
+            value = await value
+        try:
+            orjson.dumps(value)
+        except TypeError as exc:
+            raise QueryError(f"query result is not JSON serializable: {exc}") from None
+        return {"result": value}
+
+    async def _record_cancel_handler(self, execution: _Execution, value: Any) -> None:
+        retrieved = execution.retrieved
+        try:
+            await self.connection.optimistic_query_update(
+                retrieved.query_key_hash, {"cancelHandler": value}, retrieved.queue_id
+            )
+        except Exception as exc:
+            self.events.emit(
+                ev.ERROR_QUERY_UPDATE, {**self._execution_context(retrieved), "error": repr(exc)}
+            )
+
+    async def _heartbeat(self, execution: _Execution, context: dict[str, Any]) -> None:
+        retrieved = execution.retrieved
+        conn = self.connection
+        last_logged = time.monotonic()
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if time.monotonic() - last_logged >= HEARTBEAT_LOG_INTERVAL:
+                last_logged = time.monotonic()
+                self.events.emit(ev.HEARTBEAT, context)
+            try:
+                await conn.update_heartbeat(retrieved.query_key_hash, retrieved.queue_id)
+            except Exception as exc:
+                self.events.emit(ev.ERROR_UPDATING_HEARTBEAT, {**context, "error": repr(exc)})
+            if execution.external_cancel_fired:
+                continue
+            try:
+                current = await conn.get_query_def(retrieved.query_key_hash, retrieved.queue_id)
+                if current is None:
+                    # Removed by someone else (manual cancel elsewhere, reaped): fire once.
+                    execution.external_cancel_fired = True
+                    self.events.emit(ev.CANCELLING_EXTERNAL, context)
+                    await self.process_cancel(
+                        {**retrieved.query, "cancelHandler": execution.cancel_handler},
+                        retrieved.queue_id,
+                    )
+            except Exception as exc:
+                self.events.emit(ev.ERROR_CHECKING_EXTERNAL, {**context, "error": repr(exc)})
+
+    async def process_cancel(self, query_def: QueryDef, queue_id: QueueId | None) -> None:
+        """Call the cancel handler of the query's handler, and stop the query if it runs in
+        this process (an async handler stops; a thread can only be abandoned)."""
+        name = query_def.get("queryHandler")
+        execution = self._executions.get(queue_id) if queue_id else None
+        task = execution.handler_task if execution is not None else None
+        running_here = execution is not None and task is not None and not task.done()
+        if execution is not None:
+            # Delivered: the heartbeat must not report the removal as an external cancel too.
+            execution.external_cancel_fired = True
+            execution.cancelled = running_here
+        try:
+            cancel = self.cancel_handlers.get(str(name))
+            if cancel is None:
+                if not running_here:
+                    raise QueryError(f"No cancel handler for {name}")
+            else:
+                outcome = cancel(query_def)
+                if inspect.isawaitable(outcome):
+                    await outcome
+        except Exception as exc:
+            self.events.emit(
+                ev.ERROR_WHILE_CANCEL,
+                {
+                    "queueId": queue_id,
+                    "queryKey": query_def.get("queryKey"),
+                    "queuePrefix": self.prefix,
+                    "error": repr(exc),
+                },
+            )
+        finally:
+            if running_here and task is not None:
+                task.cancel()
+
+    # -- cancellation and introspection ---------------------------------------------------------
+
+    async def cancel_query(self, query_key_hash: str, queue_id: QueueId | None = None) -> bool:
+        query_def = await self.connection.cancel_query(query_key_hash, queue_id)
+        if queue_id is None:
+            # Cancelled by key: if it runs here, name the execution so it is stopped now.
+            queue_id = next(
+                (
+                    qid
+                    for qid, e in self._executions.items()
+                    if e.retrieved.query_key_hash == query_key_hash
+                ),
+                None,
+            )
+        if query_def is not None:
+            self.events.emit(
+                ev.CANCELLING_MANUAL,
+                {
+                    "queueId": queue_id,
+                    "queryKey": query_def.get("queryKey"),
+                    "queuePrefix": self.prefix,
+                    "requestId": query_def.get("requestId"),
+                },
+            )
+            await self.send_cancel_message_fn(query_def, queue_id)
+        return True
+
+    async def cancel_query_by_request_id(self, request_id: str) -> list[QueryDef]:
+        cancelled = []
+        for entry in await self.get_queries():
+            if entry.get("requestId") == request_id:
+                await self.cancel_query(entry["queryKeyHash"], entry.get("queueId"))
+                cancelled.append(entry)
+        return cancelled
+
+    async def get_queries(self) -> list[QueryDef]:
+        """Every item of the queue with its statuses: orphaned, stalled, active, toProcess."""
+        conn = self.connection
+        lists = await asyncio.gather(
+            conn.get_orphaned_queries(),
+            conn.get_stalled_queries(),
+            conn.get_active_queries(),
+            conn.get_to_process_queries(),
+        )
+        merged: dict[str, QueryDef] = {}
+        for status, entries in zip(
+            ("orphaned", "stalled", "active", "toProcess"), lists, strict=True
+        ):
+            for query_key_hash, queue_id in entries:
+                if query_key_hash not in merged:
+                    query_def = await conn.get_query_def(query_key_hash, queue_id)
+                    if query_def is None:
+                        continue
+                    merged[query_key_hash] = {
+                        **query_def,
+                        "queryKeyHash": query_key_hash,
+                        "queueId": queue_id,
+                        "status": [],
+                    }
+                merged[query_key_hash]["status"].append(status)
+        return list(merged.values())
+
+    async def fetch_query_stage_state(self) -> tuple[list[str], list[str], dict[str, QueryDef]]:
+        return await self.connection.get_query_stage_state(False)
+
+    async def get_query_stage(
+        self,
+        stage_query_key: Any,
+        priority_filter: int | None = None,
+        stage_state: tuple[list[str], list[str], dict[str, QueryDef]] | None = None,
+    ) -> dict[str, Any] | None:
+        """`{"stage": "Executing query", "timeElapsed": ms}`, `{"stage": "#N in queue"}` or None."""
+        active, to_process, defs = stage_state or await self.fetch_query_stage_state()
+        wanted = self.redis_hash(stage_query_key)
+        for query_key_hash, query_def in defs.items():
+            if query_def.get("stageQueryKey") is None:
+                continue
+            if self.redis_hash(query_def["stageQueryKey"]) != wanted:
+                continue
+            if priority_filter is not None and query_def.get("priority") != priority_filter:
+                continue
+            if query_key_hash in active:
+                started = query_def.get("startQueryTime")
+                return {
+                    "stage": "Executing query",
+                    "timeElapsed": None if started is None else self.clock.now_ms() - started,
+                }
+            queue = [
+                h
+                for h in to_process
+                if priority_filter is None or defs.get(h, {}).get("priority") == priority_filter
+            ]
+            if query_key_hash in queue:
+                return {"stage": f"#{queue.index(query_key_hash) + 1} in queue"}
+            return None
+        return None
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def get_query_stream(self, query_key_hash: str) -> QueryStream | None:
+        return self.streams.get(query_key_hash)
+
+    def _create_query_stream(self, query_key_hash: str, query: Any) -> QueryStream:
+        aliases = query.get("aliasNameToMember") if isinstance(query, Mapping) else None
+        stream = QueryStream(query_key_hash, aliases)
+        self.streams[query_key_hash] = stream
+        for waiter in self._stream_waiters.pop(query_key_hash, ()):
+            if not waiter.done():
+                waiter.set_result(stream)
+        return stream
+
+    def _subscribe_stream(self, query_key_hash: str) -> asyncio.Future[QueryStream]:
+        waiter: asyncio.Future[QueryStream] = asyncio.get_running_loop().create_future()
+        self._stream_waiters.setdefault(query_key_hash, set()).add(waiter)
+        return waiter
+
+    def _unsubscribe_stream(self, query_key_hash: str, waiter: asyncio.Future[QueryStream]) -> None:
+        waiters = self._stream_waiters.get(query_key_hash)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._stream_waiters[query_key_hash]
+
+    async def _wait_for_stream(
+        self, query_key_hash: str, waiter: asyncio.Future[QueryStream]
+    ) -> QueryStream:
+        # The map covers a stream that started before this waiter existed (a joined caller).
+        stream = self.streams.get(query_key_hash)
+        if stream is not None:
+            return stream
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), self.continue_wait_timeout * 10)
+        except TimeoutError:
+            raise ContinueWaitError() from None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def shutdown(self) -> bool:
+        """Wait for a reconcile in flight, then stop executions started here. Returns whether
+        a reconcile was in flight."""
+        in_flight = self._reconcile_task is not None
+        if self._reconcile_task is not None:
+            await asyncio.gather(self._reconcile_task, return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for execution in list(self._executions.values()):
+            if execution.handler_task is not None:
+                execution.handler_task.cancel()
+        return in_flight
+
+    def _execution_context(self, retrieved: RetrievedQuery) -> dict[str, Any]:
+        query = retrieved.query
+        inner = query.get("query")
+        flags: Mapping[str, Any] = inner if isinstance(inner, Mapping) else {}
+        return {
+            "queueId": retrieved.queue_id,
+            "processingId": retrieved.processing_id,
+            "queryKey": query.get("queryKey"),
+            "queuePrefix": self.prefix,
+            "requestId": query.get("requestId"),
+            "queueSize": retrieved.queue_size,
+            "addedToQueueTime": query.get("addedToQueueTime"),
+            "metadata": flags.get("metadata"),
+            "preAggregationId": None,
+            "newVersionEntry": flags.get("newVersionEntry"),
+            "preAggregation": flags.get("preAggregation"),
+        }
+
+
+def _external_id(request_id: str | None) -> str | None:
+    """The request id up to its last `-span-`, as Cube derives it (hashed when over-long)."""
+    if not request_id:
+        return None
+    head, sep, _ = request_id.rpartition("-span-")
+    external_id = head if sep else request_id
+    if len(external_id) > MAX_EXTERNAL_ID_LENGTH:
+        external_id = hash_query_key(external_id)
+    return external_id
+
+
+def _parse_result(result: Any) -> Any:
+    if isinstance(result, dict):
+        if "error" in result:
+            raise QueryError(str(result["error"]))
+        if "result" in result:
+            return result["result"]
+    return None
+
+
+def _ms_since(started: float) -> int:
+    return round((time.monotonic() - started) * 1000)
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

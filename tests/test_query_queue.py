@@ -1,0 +1,637 @@
+"""QueryQueue on every store: each test checks an observable outcome of the design."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver_sqlite.store import SqliteQueueStore
+from engine import events as ev
+from engine.errors import ContinueWaitError, InvalidCommandError, QueryError
+from engine.memory_store import MemoryQueueStore
+from engine.queue import QueryQueue
+from engine.retrieved import RetrievedQuery
+from engine.store import QueueStore
+from engine.stream import QueryStream
+from engine.sync import SyncQueryQueue
+from tests.waiting import wait_until
+
+PREFIX = "tq"
+MakeQueue = Callable[..., QueryQueue]
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> QueueStore:
+    if request.param == "memory":
+        return MemoryQueueStore()
+    return SqliteQueueStore(tmp_path / "queue.db")
+
+
+@pytest.fixture
+async def make_queue(shared_store: QueueStore) -> AsyncIterator[MakeQueue]:
+    made: list[QueryQueue] = []
+
+    def make(**options: Any) -> QueryQueue:
+        options.setdefault("query_handlers", {})
+        options.setdefault("continue_wait_timeout", 5.0)
+        options.setdefault("heartbeat_interval", 0.05)
+        queue = QueryQueue(PREFIX, driver=shared_store, **options)
+        made.append(queue)
+        return queue
+
+    yield make
+    for queue in made:
+        await queue.shutdown()
+    shared_store.close()
+
+
+class Recorder:
+    """Handlers and cancel handlers that record what happened."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+        self.running = 0
+        self.max_running = 0
+        self.cancelled: list[dict[str, Any]] = []
+        self.gate = asyncio.Event()
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    async def gated(self, query: Any, set_cancel_handler: Callable[[Any], None]) -> Any:
+        self.calls.append(query)
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        set_cancel_handler({"kill": query})
+        try:
+            await self.gate.wait()
+            return {"echo": query}
+        finally:
+            self.running -= 1
+
+    async def instant(self, query: Any, set_cancel_handler: Callable[[Any], None]) -> Any:
+        self.calls.append(query)
+        return {"echo": query}
+
+    async def cancel(self, query_def: dict[str, Any]) -> None:
+        self.cancelled.append(query_def)
+
+    def log(self, message: str, fields: dict[str, Any]) -> None:
+        self.events.append((message, fields))
+
+    def named(self, message: str) -> list[dict[str, Any]]:
+        return [fields for name, fields in self.events if name == message]
+
+
+@pytest.fixture
+def rec() -> Recorder:
+    return Recorder()
+
+
+async def test_result_is_returned_and_a_later_call_runs_again(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.instant}, logger=rec.log)
+    assert await queue.execute_in_queue("sql", ["SELECT 1", []], {"sql": 1}) == {"echo": {"sql": 1}}
+    # The waiter took the result: the queue shares in-flight work, it is not a cache.
+    assert await queue.execute_in_queue("sql", ["SELECT 1", []], {"sql": 1}) == {"echo": {"sql": 1}}
+    assert len(rec.calls) == 2 and len(rec.named(ev.ADDED_TO_QUEUE)) == 2
+    assert _store(queue).list_items(PREFIX) == []
+
+
+async def test_identical_concurrent_calls_execute_once(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated}, cancel_handlers={"sql": rec.cancel})
+    callers = [
+        asyncio.create_task(queue.execute_in_queue("sql", "same-key", {"n": 1})) for _ in range(12)
+    ]
+    # every caller has joined the one item and is parked on its result
+    await wait_until(lambda: _store(queue).waiters.count() == 12)
+    assert len(rec.calls) == 1
+    rec.gate.set()
+    results = await asyncio.gather(*callers)
+    assert results == [{"echo": {"n": 1}}] * 12
+    assert len(rec.calls) == 1
+
+
+async def test_handler_errors_reach_every_waiter(make_queue: MakeQueue, rec: Recorder) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def failing(query: Any, _: Any) -> Any:
+        started.set()
+        await release.wait()
+        raise RuntimeError("relation does not exist")
+
+    queue = make_queue(query_handlers={"sql": failing})
+    callers = [asyncio.create_task(queue.execute_in_queue("sql", "bad", {})) for _ in range(3)]
+    await started.wait()
+    release.set()
+    outcomes = await asyncio.gather(*callers, return_exceptions=True)
+    assert [type(o) for o in outcomes] == [QueryError] * 3
+    assert all(str(o) == "relation does not exist" for o in outcomes)
+
+
+async def test_priority_order_then_fifo(make_queue: MakeQueue, rec: Recorder) -> None:
+    order: list[str] = []
+    blocker_release = asyncio.Event()
+
+    async def handler(query: Any, _: Any) -> Any:
+        if query == "blocker":
+            await blocker_release.wait()
+        order.append(query)
+        return query
+
+    queue = make_queue(query_handlers={"sql": handler}, concurrency=1)
+    blocker = asyncio.create_task(queue.execute_in_queue("sql", "blocker", "blocker"))
+    await wait_until(lambda: _active(queue))
+    waiting = []
+    for name, priority in [("low-1", 0), ("high-1", 5), ("low-2", 0), ("high-2", 5), ("urgent", 9)]:
+        waiting.append(asyncio.create_task(queue.execute_in_queue("sql", name, name, priority)))
+        await _wait_pending(queue, len(waiting))
+    blocker_release.set()
+    await asyncio.gather(blocker, *waiting)
+    assert order == ["blocker", "urgent", "high-1", "high-2", "low-1", "low-2"]
+
+
+async def _wait_pending(queue: QueryQueue, count: int) -> None:
+    await wait_until(lambda: _pending_count(queue) == count)
+
+
+def _store(queue: QueryQueue) -> QueueStore:
+    return queue.driver.store  # type: ignore[attr-defined, no-any-return]
+
+
+def _active(queue: QueryQueue) -> bool:
+    return bool(_store(queue).active(PREFIX))
+
+
+def _pending_count(queue: QueryQueue) -> int:
+    return len(_store(queue).pending(PREFIX))
+
+
+async def test_concurrency_is_never_exceeded(make_queue: MakeQueue, rec: Recorder) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated}, concurrency=3)
+    callers = [
+        asyncio.create_task(queue.execute_in_queue("sql", f"q{i}", i, 10 if i % 2 else 0))
+        for i in range(15)
+    ]
+    await wait_until(lambda: rec.running == 3)
+    rec.gate.set()
+    results = await asyncio.gather(*callers)
+    assert sorted(r["echo"] for r in results) == list(range(15))
+    assert rec.max_running == 3
+
+
+async def test_continue_wait_then_result_on_retry(make_queue: MakeQueue, rec: Recorder) -> None:
+    queue = make_queue(
+        query_handlers={"sql": rec.gated}, continue_wait_timeout=0.05, logger=rec.log
+    )
+    with pytest.raises(ContinueWaitError, match="Continue wait"):
+        await queue.execute_in_queue("sql", "slow", {"q": 1})
+    assert rec.named(ev.FINISHED_WAITING)
+    with pytest.raises(ContinueWaitError):
+        await queue.execute_in_queue("sql", "slow", {"q": 1})  # joins the same item
+    rec.gate.set()
+    await wait_until(lambda: not _store(queue).list_items(PREFIX))
+    assert await queue.execute_in_queue("sql", "slow", {"q": 1}) == {"echo": {"q": 1}}
+    assert len(rec.calls) == 1
+
+
+async def test_is_job_returns_at_once_and_runs(make_queue: MakeQueue, rec: Recorder) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated})
+    assert await queue.execute_in_queue("sql", "job", {"isJob": True}) is None
+    await wait_until(lambda: len(rec.calls) == 1)
+    rec.gate.set()
+    await wait_until(lambda: not _store(queue).list_items(PREFIX))
+
+
+async def test_force_build_skips_the_cached_result_and_joins_a_running_build(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated})
+    rec.gate.set()
+    assert await queue.execute_in_queue("sql", "k", {"v": 1}) == {"echo": {"v": 1}}
+    rec.gate.clear()
+    build = asyncio.create_task(queue.execute_in_queue("sql", "k", {"forceBuild": True}))
+    await wait_until(lambda: len(rec.calls) == 2)
+    # a build of the key is already queued: a second forced build returns None at once
+    assert await queue.execute_in_queue("sql", "k", {"forceBuild": True}) is None
+    rec.gate.set()
+    assert await build == {"echo": {"forceBuild": True}}
+
+
+async def test_bad_input_is_refused_before_anything_is_enqueued(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.instant})
+    with pytest.raises(ValueError, match="Priority should be between -10000 and 10000"):
+        await queue.execute_in_queue("sql", "k", {}, 10001)
+    with pytest.raises(ValueError, match="unknown query handler 'nope'"):
+        await queue.execute_in_queue("nope", "k", {})
+    with pytest.raises(ValueError, match="JSON serializable"):
+        await queue.execute_in_queue("sql", "k", {"x": object()})
+    with pytest.raises(ValueError, match="stream_handler"):
+        await queue.execute_in_queue("stream", "k", {})
+    assert _store(queue).list_items(PREFIX) == []
+    assert rec.calls == []
+
+
+async def test_execution_timeout_errors_waiters_and_calls_cancel_handler(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(
+        query_handlers={"sql": rec.gated},
+        cancel_handlers={"sql": rec.cancel},
+        execution_timeout=0.2,
+        logger=rec.log,
+    )
+    with pytest.raises(
+        QueryError, match=r"Query execution timeout after 0\.00333\d* min of waiting"
+    ):
+        await queue.execute_in_queue("sql", "forever", {"q": "forever"})
+    assert [c["cancelHandler"] for c in rec.cancelled] == [{"kill": {"q": "forever"}}]
+    assert rec.named(ev.CANCELLING_TIMEOUT)
+    assert rec.running == 0  # the async handler was stopped, not abandoned
+
+
+async def test_orphaned_item_is_reaped_while_polled_item_survives(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(
+        query_handlers={"sql": rec.gated},
+        cancel_handlers={"sql": rec.cancel},
+        concurrency=1,
+        continue_wait_timeout=0.05,
+        orphaned_timeout=0.4,
+        logger=rec.log,
+    )
+    blocker = asyncio.create_task(queue.execute_in_queue("sql", "blocker", "blocker", 0))
+    await wait_until(lambda: rec.running == 1)
+    for name in ("abandoned", "polled"):
+        with pytest.raises(ContinueWaitError):
+            await queue.execute_in_queue("sql", name, name)
+    deadline = time.monotonic() + 10
+    while not rec.cancelled:
+        assert time.monotonic() < deadline, "orphaned item never reaped"
+        with pytest.raises(ContinueWaitError):
+            await queue.execute_in_queue("sql", "polled", "polled")  # re-ADD keeps it alive
+    assert [c["query"] for c in rec.cancelled] == ["abandoned"]
+    assert rec.named(ev.REMOVING_ORPHANED)
+    assert [row.id for row in _store(queue).pending(PREFIX)] == [queue.redis_hash("polled")]
+    rec.gate.set()
+    await asyncio.gather(blocker, return_exceptions=True)  # its caller stopped waiting long ago
+    assert await _retry(queue, "polled") == {"echo": "polled"}
+    assert "abandoned" not in rec.calls
+
+
+async def _retry(queue: QueryQueue, key: str, query: Any = None, within: float = 10.0) -> Any:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await queue.execute_in_queue("sql", key, key if query is None else query)
+        except ContinueWaitError:
+            assert time.monotonic() < deadline, "no result in time"
+
+
+async def test_stalled_item_is_reaped_and_retry_executes_afresh(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    lost: list[RetrievedQuery] = []
+
+    async def losing_hand_off(retrieved: RetrievedQuery) -> None:
+        lost.append(retrieved)  # a worker that died with the message: nobody heartbeats
+
+    dead = make_queue(
+        query_handlers={"sql": rec.instant},
+        cancel_handlers={"sql": rec.cancel},
+        send_process_message_fn=losing_hand_off,
+        continue_wait_timeout=0.05,
+    )
+    with pytest.raises(ContinueWaitError):
+        await dead.execute_in_queue("sql", "stalls", "stalls")
+    assert len(lost) == 1 and [r.status for r in _store(dead).list_items(PREFIX)] == ["active"]
+
+    alive = make_queue(
+        query_handlers={"sql": rec.instant},
+        cancel_handlers={"sql": rec.cancel},
+        continue_wait_timeout=0.05,
+        logger=rec.log,
+    )
+    deadline = time.monotonic() + 10
+    while not rec.cancelled:  # reconcile is what reaps: run it until the heartbeat timeout passes
+        assert time.monotonic() < deadline, "stalled item never reaped"
+        await alive.reconcile_queue()
+        await asyncio.sleep(0.01)
+    assert [c["query"] for c in rec.cancelled] == ["stalls"]
+    assert await _retry(alive, "stalls") == {"echo": "stalls"}
+    assert rec.calls == ["stalls"]
+
+
+async def test_sync_handler_keeps_heartbeating_while_it_blocks(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    release = threading.Event()
+
+    def blocking(query: Any, set_cancel_handler: Callable[[Any], None]) -> Any:
+        set_cancel_handler("pid-1")
+        assert release.wait(30)
+        return "done"
+
+    queue = make_queue(
+        query_handlers={"sql": blocking},
+        cancel_handlers={"sql": rec.cancel},
+        heartbeat_interval=0.05,
+    )
+    caller = asyncio.create_task(queue.execute_in_queue("sql", "blocking", {}))
+    await wait_until(lambda: _active(queue))
+    blocked_since = time.monotonic()
+    while time.monotonic() - blocked_since < 0.6:  # three heartbeat timeouts
+        await queue.reconcile_queue()
+        await asyncio.sleep(0.02)
+    assert rec.cancelled == []
+    defs = _store(queue).list_items(PREFIX)
+    assert defs and '"cancelHandler":"pid-1"' in (defs[0].extra or "")
+    release.set()
+    assert await caller == "done"
+
+
+async def test_manual_cancel_calls_cancel_handler_and_stops_the_query(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(
+        query_handlers={"sql": rec.gated},
+        cancel_handlers={"sql": rec.cancel},
+        continue_wait_timeout=0.3,
+        logger=rec.log,
+    )
+    caller = asyncio.create_task(queue.execute_in_queue("sql", "to-cancel", "to-cancel"))
+    await wait_until(lambda: rec.running == 1)
+    assert await queue.cancel_query(queue.redis_hash("to-cancel"))
+    await wait_until(lambda: rec.running == 0 and len(rec.cancelled) == 1)
+    assert rec.cancelled[0]["query"] == "to-cancel"
+    assert rec.named(ev.CANCELLING_MANUAL)
+    with pytest.raises(ContinueWaitError):
+        await caller
+    assert _store(queue).list_items(PREFIX) == []
+    rec.gate.set()
+    assert await _retry(queue, "to-cancel") == {"echo": "to-cancel"}
+    assert len(rec.calls) == 2
+
+
+async def test_cancel_by_request_id(make_queue: MakeQueue, rec: Recorder) -> None:
+    queue = make_queue(
+        query_handlers={"sql": rec.gated}, cancel_handlers={"sql": rec.cancel}, concurrency=1
+    )
+    running = asyncio.create_task(
+        queue.execute_in_queue("sql", "a", "a", request_id="req-1-span-1")
+    )
+    await wait_until(lambda: rec.running == 1)
+    queued = asyncio.create_task(queue.execute_in_queue("sql", "b", "b", request_id="req-2"))
+    await wait_until(lambda: _pending_count(queue) == 1)
+    cancelled = await queue.cancel_query_by_request_id("req-2")
+    assert [c["query"] for c in cancelled] == ["b"]
+    assert [row.status for row in _store(queue).list_items(PREFIX)] == ["active"]
+    rec.gate.set()
+    assert await running == {"echo": "a"}
+    queued.cancel()
+    await asyncio.gather(queued, return_exceptions=True)
+
+
+async def test_external_cancellation_is_noticed_once_on_the_heartbeat(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    runner = make_queue(
+        query_handlers={"sql": rec.gated},
+        cancel_handlers={"sql": rec.cancel},
+        logger=rec.log,
+        heartbeat_interval=0.03,
+    )
+    other_process = make_queue(query_handlers={}, cancel_handlers={})
+    caller = asyncio.create_task(runner.execute_in_queue("sql", "ext", "ext"))
+    await wait_until(lambda: rec.running == 1)
+    # Removed by someone else: the runner learns only through its heartbeat.
+    assert await other_process.connection.cancel_query(runner.redis_hash("ext"), None) is not None
+    await wait_until(lambda: len(rec.named(ev.CANCELLING_EXTERNAL)) == 1)
+    await wait_until(lambda: rec.running == 0)
+    await asyncio.sleep(0.15)  # several more heartbeat periods: it must not fire again
+    assert len(rec.cancelled) == 1 and rec.cancelled[0]["cancelHandler"] == {"kill": "ext"}
+    assert len(rec.named(ev.CANCELLING_EXTERNAL)) == 1
+    caller.cancel()
+    await asyncio.gather(caller, return_exceptions=True)
+
+
+async def test_reconcile_is_single_flight_with_one_extra_run(make_queue: MakeQueue) -> None:
+    queue = make_queue()
+    entered = asyncio.Event()
+    release = asyncio.Event()
+    runs = 0
+    original = queue._reconcile_queue_impl
+
+    async def slow_impl() -> None:
+        nonlocal runs
+        runs += 1
+        entered.set()
+        await release.wait()
+        await original()
+
+    queue._reconcile_queue_impl = slow_impl  # type: ignore[method-assign]
+    first = asyncio.create_task(queue.reconcile_queue())
+    await entered.wait()
+    others = [asyncio.create_task(queue.reconcile_queue()) for _ in range(10)]
+    await asyncio.sleep(0)
+    assert runs == 1
+    release.set()
+    await asyncio.gather(first, *others)
+    assert runs == 2
+    await queue.reconcile_queue()
+    assert runs == 3
+
+
+async def test_persistent_keys_of_another_process_are_never_picked(
+    make_queue: MakeQueue, rec: Recorder, shared_store: QueueStore
+) -> None:
+    owner_streams: list[str] = []
+
+    async def stream_handler(query: Any, stream: QueryStream) -> None:
+        owner_streams.append(query)
+        await stream.write({"row": 1})
+
+    stranger = make_queue(
+        query_handlers={"sql": rec.instant}, process_uid="22222222-2222-4222-8222-222222222222"
+    )
+    owner = make_queue(
+        query_handlers={},
+        stream_handler=stream_handler,
+        process_uid="11111111-1111-4111-8111-111111111111",
+    )
+    persistent = owner.redis_hash("stream-key", persistent=True)
+    assert persistent.endswith("@11111111-1111-4111-8111-111111111111")
+    shared_store.add(
+        f"{PREFIX}:{persistent}",
+        '{"queryHandler":"stream","query":"s","queryKey":"stream-key","addedToQueueTime":0}',
+        exclusive=True,
+        process_id=owner.process_uid,
+    )
+    picked: list[str] = []
+    original = stranger.process_query
+
+    async def spy(query_key_hash: str, queue_id: int | None = None) -> None:
+        picked.append(query_key_hash)
+        await original(query_key_hash, queue_id)
+
+    stranger.process_query = spy  # type: ignore[method-assign]
+    for _ in range(3):
+        await stranger.reconcile_queue()
+    assert picked == []
+    assert [
+        row.status for row in shared_store.list_items(PREFIX, process_id=owner.process_uid)
+    ] == ["pending"]
+    await owner.reconcile_queue()
+    await wait_until(lambda: owner_streams == ["s"])
+
+
+async def test_fast_track_only_at_priority_10_and_while_budget_is_free(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated}, concurrency=3, logger=rec.log)
+    low = asyncio.create_task(queue.execute_in_queue("sql", "low", "low", 9))
+    await wait_until(lambda: rec.running == 1)
+    assert [e["fastTrack"] for e in rec.named(ev.ADDED_TO_QUEUE)] == [False]
+    burst = [asyncio.create_task(queue.execute_in_queue("sql", f"hi{i}", i, 10)) for i in range(6)]
+    await wait_until(lambda: len(rec.named(ev.ADDED_TO_QUEUE)) == 7)
+    flags = [e["fastTrack"] for e in rec.named(ev.ADDED_TO_QUEUE)[1:]]
+    assert flags.count(True) == 2  # one slot is taken by the low-priority query
+    fast = [e for e in rec.named(ev.WAITING_FOR_QUERY) if e["fastTrack"]]
+    assert len(fast) == 2 and all(e["active"] for e in fast)
+    rec.gate.set()
+    await asyncio.gather(low, *burst)
+
+
+async def test_burst_onto_idle_queue_fast_tracks_exactly_concurrency(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated}, concurrency=3, logger=rec.log)
+    burst = [asyncio.create_task(queue.execute_in_queue("sql", f"b{i}", i, 10)) for i in range(8)]
+    await wait_until(lambda: len(rec.named(ev.ADDED_TO_QUEUE)) == 8)
+    assert sorted(e["fastTrack"] for e in rec.named(ev.ADDED_TO_QUEUE)) == [False] * 5 + [True] * 3
+    fast_sizes = [e["queueSize"] for e in rec.named(ev.ADDED_TO_QUEUE) if e["fastTrack"]]
+    assert fast_sizes == [0, 0, 0]  # a retrieved item never becomes pending
+    rec.gate.set()
+    assert sorted(r["echo"] for r in await asyncio.gather(*burst)) == list(range(8))
+    assert rec.max_running == 3
+
+
+async def test_failed_fast_track_dispatch_is_a_continue_wait(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    async def broken(retrieved: RetrievedQuery) -> None:
+        raise ConnectionError("worker pool unreachable")
+
+    queue = make_queue(
+        query_handlers={"sql": rec.instant}, send_process_message_fn=broken, logger=rec.log
+    )
+    with pytest.raises(ContinueWaitError):
+        await queue.execute_in_queue("sql", "urgent", "urgent", 10)
+    assert "worker pool unreachable" in rec.named(ev.ERROR_PROCESSING_MESSAGE)[0]["error"]
+    assert [row.status for row in _store(queue).list_items(PREFIX)] == ["active"]
+
+
+async def test_stream_that_starts_at_once_reaches_its_waiter(make_queue: MakeQueue) -> None:
+    async def stream_handler(query: Any, stream: QueryStream) -> None:
+        for i in range(query["rows"]):
+            await stream.write({"alias_n": i})
+
+    queue = make_queue(stream_handler=stream_handler)
+    stream = await queue.execute_in_queue(
+        "stream", ["SELECT n", []], {"rows": 50, "aliasNameToMember": {"alias_n": "n"}}
+    )
+    assert isinstance(stream, QueryStream)
+    assert await stream.rows() == [{"n": i} for i in range(50)]
+    await wait_until(lambda: not _store(queue).list_items(PREFIX, process_id=queue.process_uid))
+
+
+async def test_stream_waiter_subscribes_before_dispatch(make_queue: MakeQueue) -> None:
+    sequence: list[str] = []
+
+    async def stream_handler(query: Any, stream: QueryStream) -> None:
+        await stream.write(1)
+
+    queue = make_queue(stream_handler=stream_handler)
+    subscribe = queue._subscribe_stream
+    dispatch = queue.send_process_message_fn
+
+    def spy_subscribe(query_key_hash: str) -> asyncio.Future[QueryStream]:
+        sequence.append("subscribe")
+        return subscribe(query_key_hash)
+
+    async def spy_dispatch(retrieved: RetrievedQuery) -> None:
+        sequence.append("dispatch")
+        await dispatch(retrieved)
+
+    queue._subscribe_stream = spy_subscribe  # type: ignore[method-assign]
+    queue.send_process_message_fn = spy_dispatch
+    for priority in (0, 10):  # through reconcile and on the fast track
+        sequence.clear()
+        stream = await queue.execute_in_queue("stream", f"s{priority}", {}, priority)
+        assert await stream.rows() == [1]
+        assert sequence == ["subscribe", "dispatch"]
+
+
+async def test_get_query_stage_reports_executing_and_position(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated}, concurrency=1)
+    calls = [
+        asyncio.create_task(
+            queue.execute_in_queue("sql", name, name, stage_query_key=f"stage-{name}")
+        )
+        for name in ("first", "second", "third")
+    ]
+    await wait_until(lambda: rec.running == 1 and _pending_count(queue) == 2)
+    executing = await queue.get_query_stage("stage-first")
+    assert executing is not None and executing["stage"] == "Executing query"
+    assert executing["timeElapsed"] is not None and executing["timeElapsed"] >= 0
+    assert await queue.get_query_stage("stage-third") == {"stage": "#2 in queue"}
+    assert await queue.get_query_stage("stage-unknown") is None
+    queries = await queue.get_queries()
+    assert sorted((q["query"], q["status"]) for q in queries) == [
+        ("first", ["active"]),
+        ("second", ["toProcess"]),
+        ("third", ["toProcess"]),
+    ]
+    rec.gate.set()
+    await asyncio.gather(*calls)
+
+
+async def test_events_reach_python_logging(
+    make_queue: MakeQueue, rec: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.instant})
+    with caplog.at_level("DEBUG", logger="engine.queue"):
+        await queue.execute_in_queue("sql", "logged", {})
+    messages = [r.queue_event for r in caplog.records if hasattr(r, "queue_event")]
+    assert messages[0] == ev.ADDED_TO_QUEUE
+    assert {ev.WAITING_FOR_QUERY, ev.PERFORMING_QUERY, ev.PERFORMING_COMPLETED} <= set(messages)
+
+
+def test_sync_face(tmp_path: Path) -> None:
+    executed: list[Any] = []
+
+    def handler(query: Any, _: Any) -> Any:
+        executed.append(query)
+        return query * 2
+
+    with SyncQueryQueue(
+        "sync", query_handlers={"sql": handler}, driver=SqliteQueueStore(tmp_path / "q.db")
+    ) as q:
+        assert q.execute_in_queue("sql", "k", 21) == 42
+        assert q.execute_in_queue("sql", "k2", 1, 10) == 2
+        with pytest.raises(InvalidCommandError):
+            q.execute_in_queue("sql", "k", 1, -20000)
+    assert executed == [21, 1]
