@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +26,7 @@ from driver_sqlite.schema import ACTIVE, PENDING, migrate
 from engine.clock import Clock
 from engine.errors import StoreError
 from engine.responses import ItemStatus, QueueId, QueueKey
-from engine.store import DEFAULT_RESULT_TTL_MS, Item, QueueStore, StoredResult
+from engine.store import DEFAULT_RESULT_TTL_MS, Item, PrefixOverview, QueueStore, StoredResult
 
 Synchronous = Literal["NORMAL", "FULL"]
 
@@ -257,6 +257,20 @@ class SqliteTransaction:
         )
         return cursor.rowcount
 
+    def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
+        oldest = dict(
+            self._c.execute("SELECT prefix, min(created) FROM items GROUP BY prefix").fetchall()
+        )
+        found = [
+            PrefixOverview(prefix, pending, active, oldest.get(prefix))
+            for prefix, pending, active in self._c.execute(
+                "SELECT prefix, pending, active FROM prefix_counts"
+                " WHERE pending > 0 OR active > 0 ORDER BY prefix"
+            )
+        ]
+        row = self._one("SELECT count(*) FROM results WHERE expire > ?", (now,))
+        return found, int(row[0]) if row else 0
+
     def truncate(self) -> None:
         # DELETE rather than DROP: AUTOINCREMENT keeps counting, so ids are never reused.
         self._c.execute("DELETE FROM items")
@@ -281,6 +295,8 @@ class SqliteQueueStore(QueueStore):
         self.path = Path(path)
         self.synchronous = synchronous
         self._lock = threading.RLock()
+        self._in_batch = False
+        self._deferred: list[Callable[[], object]] = []
         try:
             self._conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, cached_statements=256
@@ -306,6 +322,10 @@ class SqliteQueueStore(QueueStore):
 
     @contextmanager
     def _atomic(self) -> Iterator[SqliteTransaction]:
+        if self._in_batch:
+            with self._lock, self._savepoint():
+                yield SqliteTransaction(self._conn)
+            return
         with self._lock:
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
@@ -325,6 +345,63 @@ class SqliteQueueStore(QueueStore):
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
                 raise StoreError(f"cannot commit to {self.path}: {exc}") from exc
+
+    @contextmanager
+    def _savepoint(self) -> Iterator[None]:
+        # One command inside a batch: undone alone if it fails, the batch goes on.
+        try:
+            self._conn.execute("SAVEPOINT command")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open a savepoint on {self.path}: {exc}") from exc
+        try:
+            yield
+        except BaseException as exc:
+            with suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK TO command")
+                self._conn.execute("RELEASE command")
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"queue database {self.path}: {exc}") from exc
+            raise
+        try:
+            self._conn.execute("RELEASE command")
+        except sqlite3.Error as exc:
+            raise StoreError(f"queue database {self.path}: {exc}") from exc
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group commit: one transaction (one WAL commit, one fsync with FULL) for every
+        command run inside; each command is a savepoint of its own."""
+        with self._lock:
+            if self._in_batch:
+                yield
+                return
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
+            self._in_batch = True
+            self._deferred = []
+            try:
+                yield
+                self._conn.execute("COMMIT")
+            except BaseException as exc:
+                with suppress(sqlite3.Error):
+                    self._conn.execute("ROLLBACK")
+                self._deferred = []
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"cannot commit to {self.path}: {exc}") from exc
+                raise
+            finally:
+                self._in_batch = False
+            effects, self._deferred = self._deferred, []
+        for effect in effects:
+            effect()
+
+    def _after_commit(self, effect: Callable[[], object]) -> None:
+        if self._in_batch:
+            self._deferred.append(effect)
+        else:
+            effect()
 
     def checkpoint(self) -> None:
         """Fold the WAL back into the database file (graceful shutdown)."""

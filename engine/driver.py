@@ -9,7 +9,7 @@ them to the process that owns the store. Signatures and semantics are those of
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.memory_store import MemoryQueueStore
 from engine.responses import (
@@ -101,6 +101,12 @@ class QueueDriver(Protocol):
     ) -> list[ToCancelResponse]: ...
 
     async def truncate(self) -> None: ...
+
+    async def stats(self) -> dict[str, Any]:
+        """What the store holds and who waits on it (see `QueueStore.describe`)."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 class LocalQueueDriver:
@@ -222,3 +228,9 @@ class LocalQueueDriver:
 
     async def truncate(self) -> None:
         self.store.truncate()
+
+    async def stats(self) -> dict[str, Any]:
+        return self.store.describe()
+
+    async def close(self) -> None:
+        """The store belongs to whoever made it: it is not closed here."""

@@ -47,3 +47,15 @@ class QueryError(QueueError):
 
 class QueryTimeoutError(QueueError, TimeoutError):
     """A query ran past its execution timeout (raised inside the executing process)."""
+
+
+class SupervisorUnavailableError(QueueError, ConnectionError):
+    """The supervisor cannot be reached (not running, or gone and not back in time)."""
+
+
+class CommandRejectedError(QueueError):
+    """The supervisor refused a command for a reason with no more specific error here."""
+
+
+class CommandTimeoutError(QueueError, TimeoutError):
+    """The supervisor did not answer a command in time."""

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from engine.clock import Clock
 from engine.responses import ItemStatus, QueueId, QueueKey
-from engine.store import DEFAULT_RESULT_TTL_MS, Item, QueueStore, StoredResult
+from engine.store import DEFAULT_RESULT_TTL_MS, Item, PrefixOverview, QueueStore, StoredResult
 
 
 class _State:
@@ -235,6 +235,16 @@ class MemoryTransaction:
         for result in expired:
             self.delete_result(result.id)
         return len(expired)
+
+    def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
+        prefixes = sorted({prefix for prefix, _ in self._s.by_status})
+        found = []
+        for prefix in prefixes:
+            pending, active = self.counts(prefix)
+            created = [item.created for item in self._prefix_items(prefix, None)]
+            found.append(PrefixOverview(prefix, pending, active, min(created) if created else None))
+        held = sum(1 for r in self._s.results.values() if r.expire > now)
+        return found, held
 
     def truncate(self) -> None:
         s = self._s

@@ -124,6 +124,7 @@ class QueryQueue:
         self.reconcile_runs = 0  # completed reconcileQueueImpl runs, for stats and tests
         self._executions: dict[QueueId, _Execution] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._closing = False
 
     # -- request side --------------------------------------------------------------------
 
@@ -286,6 +287,8 @@ class QueryQueue:
 
     async def reconcile_queue(self) -> None:
         """Single-flight: callers during a run share it and cause exactly one more run."""
+        if self._closing:
+            return
         if self._reconcile_task is None:
             self._reconcile_again = False
             self._reconcile_task = asyncio.ensure_future(self._reconcile_loop())
@@ -730,14 +733,17 @@ class QueryQueue:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def shutdown(self) -> bool:
-        """Wait for a reconcile in flight, then stop executions started here. Returns whether
-        a reconcile was in flight."""
+        """Start nothing new, wait for a reconcile in flight, then stop the executions started
+        here (their items are reclaimed through the stalled path). Returns whether a
+        reconcile was in flight."""
+        self._closing = True
         in_flight = self._reconcile_task is not None
-        if self._reconcile_task is not None:
-            await asyncio.gather(self._reconcile_task, return_exceptions=True)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        while self._reconcile_task is not None or self._background:
+            if self._reconcile_task is not None:
+                await asyncio.gather(self._reconcile_task, return_exceptions=True)
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
         for execution in list(self._executions.values()):
             if execution.handler_task is not None:
                 execution.handler_task.cancel()

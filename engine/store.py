@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -158,6 +159,18 @@ class StoreTransaction(Protocol):
 
     def truncate(self) -> None: ...
 
+    def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
+        """Per prefix (pending, active, oldest item's creation), and results still held."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixOverview:
+    prefix: str
+    pending: int
+    active: int
+    oldest_created: int | None
+
 
 class QueueStore(ABC):
     """The QUEUE command set. Subclasses implement `_atomic()` and `close()` only."""
@@ -177,6 +190,16 @@ class QueueStore(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Group commit: commands run inside share one transaction, each still atomic on its
+        own (a failing one is undone alone). Effects such as waking RESULT_BLOCKING waiters
+        happen once the batch has committed. Stores that commit in memory need no batching."""
+        return nullcontext()
+
+    def _after_commit(self, effect: Callable[[], object]) -> None:
+        """Run `effect` once the current command's changes are committed."""
+        effect()
 
     # -- QUEUE ADD / ADD_AND_RETRIEVE -------------------------------------------------
 
@@ -393,7 +416,9 @@ class QueueStore(ABC):
                 )
             tx.purge_expired_results(now, PURGE_BATCH)
         # Decide, then act: waiters are woken only once the result is committed.
-        self.waiters.publish(AckEvent(item.id, item.path, result, item.external_id))
+        self._after_commit(
+            lambda: self.waiters.publish(AckEvent(item.id, item.path, result, item.external_id))
+        )
         return AckResponse(success=True)
 
     def result(self, key: QueueKey, *, external_id: str | None = None) -> ResultResponse | None:
@@ -590,6 +615,25 @@ class QueueStore(ABC):
     def orphaned(self, orphaned_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
         v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms)
         return self.to_cancel(None, orphaned_timeout_ms, prefix)
+
+    def describe(self) -> dict[str, Any]:
+        """What `queryqueue status` shows: per prefix counts and oldest age, results held."""
+        now = self.clock.now_ms()
+        with self._atomic() as tx:
+            prefixes, results = tx.overview(now)
+        return {
+            "prefixes": [
+                {
+                    "prefix": p.prefix,
+                    "pending": p.pending,
+                    "active": p.active,
+                    "oldest_age_ms": None if p.oldest_created is None else now - p.oldest_created,
+                }
+                for p in prefixes
+            ],
+            "results_held": results,
+            "waiters": self.waiters.count(),
+        }
 
     # -- QUEUE TRUNCATE -----------------------------------------------------------------
 

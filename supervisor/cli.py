@@ -1,22 +1,120 @@
-"""The `queryqueue` command."""
+"""The `queryqueue` command: demo, supervisor, status, sql."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+from pathlib import Path
+from typing import Any
+
+from engine.errors import QueueError
+from supervisor.paths import SOCKET_ENV, default_socket_path
+
+
+def _socket_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        help=f"supervisor socket (default: ${SOCKET_ENV}, else {default_socket_path({})})",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="queryqueue", description="Query execution queue")
     commands = parser.add_subparsers(dest="command", required=True)
+
     demo = commands.add_parser("demo", help="run the demo workload on a temporary SQLite queue")
     demo.add_argument("--requests", type=int, default=200, help="queries to submit")
     demo.add_argument("--concurrency", type=int, default=4, help="queries run at once")
     demo.add_argument("--db", default=None, help="queue database (default: a temp file)")
+
+    sup = commands.add_parser("supervisor", help="host the queue store and serve it on a socket")
+    sup.add_argument("--db", type=Path, required=True, help="SQLite queue database")
+    _socket_option(sup)
+    sup.add_argument("--synchronous", choices=["NORMAL", "FULL"], default="NORMAL")
+    sup.add_argument("--tcp-port", type=int, default=None, help="also listen on 127.0.0.1:PORT")
+
+    status = commands.add_parser(
+        "status", help="per prefix: pending, active, oldest age; commands/s"
+    )
+    _socket_option(status)
+
+    sql = commands.add_parser("sql", help="run one QUEUE command given as Cube Store SQL text")
+    sql.add_argument("text", help="e.g. \"QUEUE LIST 'prefix'\"")
+    _socket_option(sql)
+
     args = parser.parse_args(argv)
+    socket_path: Path = getattr(args, "socket", None) or default_socket_path()
+    try:
+        if args.command == "supervisor":
+            from supervisor.process import run
+
+            return run(args.db, socket_path, synchronous=args.synchronous, tcp_port=args.tcp_port)
+        if args.command == "status":
+            return asyncio.run(_status(socket_path))
+        if args.command == "sql":
+            return asyncio.run(_sql(socket_path, args.text))
+    except QueueError as exc:
+        print(f"queryqueue: {exc}", file=sys.stderr)
+        return 1
     from supervisor.demo import run_demo
 
     return run_demo(requests=args.requests, concurrency=args.concurrency, db=args.db)
+
+
+async def _status(socket_path: Path) -> int:
+    from supervisor.client import SocketQueueDriver
+
+    driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
+    try:
+        stats = await driver.stats()
+    finally:
+        await driver.close()
+    print(
+        f"supervisor pid {stats['pid']}, up {stats['uptime_s']:.0f} s, "
+        f"{stats['commands_per_s']} commands/s, {stats['connections']} connections, "
+        f"{stats['results_held']} results held, {stats['waiters']} waiting"
+    )
+    rows = [
+        [p["prefix"], p["pending"], p["active"], _age(p["oldest_age_ms"])]
+        for p in stats["prefixes"]
+    ]
+    print(_table(["prefix", "pending", "active", "oldest"], rows))
+    kinds = [
+        [name, k["count"], k["errors"], k["p50_ms"], k["p99_ms"]]
+        for name, k in stats["commands"].items()
+    ]
+    print(_table(["command", "count", "errors", "p50 ms", "p99 ms"], kinds))
+    return 0
+
+
+async def _sql(socket_path: Path, text: str) -> int:
+    from supervisor.client import SocketQueueDriver
+
+    driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
+    try:
+        rows = await driver.sql(text)
+    finally:
+        await driver.close()
+    if rows:
+        columns = list(rows[0])
+        print(_table(columns, [[row.get(c) for c in columns] for row in rows]))
+    print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return 0
+
+
+def _age(ms: int | None) -> str:
+    return "-" if ms is None else f"{ms / 1000:.1f} s"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [["NULL" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = [" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,42 +14,71 @@ import pytest
 
 from driver_sqlite.store import SqliteQueueStore
 from engine import events as ev
+from engine.driver import LocalQueueDriver, QueueDriver
 from engine.errors import ContinueWaitError, InvalidCommandError, QueryError
 from engine.memory_store import MemoryQueueStore
 from engine.queue import QueryQueue
+from engine.responses import ListResponse
 from engine.retrieved import RetrievedQuery
 from engine.store import QueueStore
 from engine.stream import QueryStream
 from engine.sync import SyncQueryQueue
+from supervisor.client import SocketQueueDriver
+from tests.supervisor_util import SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until
 
 PREFIX = "tq"
 MakeQueue = Callable[..., QueryQueue]
 
 
-@pytest.fixture(params=["memory", "sqlite"])
-def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> QueueStore:
-    if request.param == "memory":
-        return MemoryQueueStore()
-    return SqliteQueueStore(tmp_path / "queue.db")
+@pytest.fixture(scope="module")
+def supervisor() -> Iterator[SupervisorProcess]:
+    """One supervisor process per test module (and xdist worker); stopped by its pid."""
+    directory = socket_dir()
+    process = start_supervisor(directory / "queue.db", directory / "s.sock")
+    try:
+        yield process
+    finally:
+        assert process.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(params=["memory", "sqlite", "supervisor"])
+async def shared_driver(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[QueueDriver]:
+    """Every test runs on an in-memory store, a SQLite store, and through a supervisor."""
+    if request.param == "supervisor":
+        process: SupervisorProcess = request.getfixturevalue("supervisor")
+        remote = SocketQueueDriver(process.socket_path, reconnect_timeout=10)
+        await remote.truncate()
+        yield remote
+        await remote.close()
+        return
+    store: QueueStore = (
+        MemoryQueueStore() if request.param == "memory" else SqliteQueueStore(tmp_path / "q.db")
+    )
+    yield LocalQueueDriver(store)
+    store.close()
 
 
 @pytest.fixture
-async def make_queue(shared_store: QueueStore) -> AsyncIterator[MakeQueue]:
+async def make_queue(shared_driver: QueueDriver) -> AsyncIterator[MakeQueue]:
     made: list[QueryQueue] = []
 
     def make(**options: Any) -> QueryQueue:
         options.setdefault("query_handlers", {})
         options.setdefault("continue_wait_timeout", 5.0)
-        options.setdefault("heartbeat_interval", 0.05)
-        queue = QueryQueue(PREFIX, driver=shared_store, **options)
+        # Long enough that a loaded CI machine never lets a live query look stalled; tests
+        # about stalling set a short one.
+        options.setdefault("heartbeat_interval", 1.0)
+        queue = QueryQueue(PREFIX, driver=shared_driver, **options)
         made.append(queue)
         return queue
 
     yield make
     for queue in made:
         await queue.shutdown()
-    shared_store.close()
 
 
 class Recorder:
@@ -100,7 +130,7 @@ async def test_result_is_returned_and_a_later_call_runs_again(
     # The waiter took the result: the queue shares in-flight work, it is not a cache.
     assert await queue.execute_in_queue("sql", ["SELECT 1", []], {"sql": 1}) == {"echo": {"sql": 1}}
     assert len(rec.calls) == 2 and len(rec.named(ev.ADDED_TO_QUEUE)) == 2
-    assert _store(queue).list_items(PREFIX) == []
+    assert await _items(queue) == []
 
 
 async def test_identical_concurrent_calls_execute_once(
@@ -111,7 +141,7 @@ async def test_identical_concurrent_calls_execute_once(
         asyncio.create_task(queue.execute_in_queue("sql", "same-key", {"n": 1})) for _ in range(12)
     ]
     # every caller has joined the one item and is parked on its result
-    await wait_until(lambda: _store(queue).waiters.count() == 12)
+    await wait_until(lambda: _waiting(queue, 12))
     assert len(rec.calls) == 1
     rec.gate.set()
     results = await asyncio.gather(*callers)
@@ -160,19 +190,31 @@ async def test_priority_order_then_fifo(make_queue: MakeQueue, rec: Recorder) ->
 
 
 async def _wait_pending(queue: QueryQueue, count: int) -> None:
-    await wait_until(lambda: _pending_count(queue) == count)
+    await wait_until(lambda: _pending_count(queue, count))
 
 
-def _store(queue: QueryQueue) -> QueueStore:
-    return queue.driver.store  # type: ignore[attr-defined, no-any-return]
+async def _active(queue: QueryQueue) -> bool:
+    return bool(await queue.driver.active(PREFIX))
 
 
-def _active(queue: QueryQueue) -> bool:
-    return bool(_store(queue).active(PREFIX))
+async def _pending_count(queue: QueryQueue, expected: int) -> bool:
+    return len(await queue.driver.pending(PREFIX)) == expected
 
 
-def _pending_count(queue: QueryQueue) -> int:
-    return len(_store(queue).pending(PREFIX))
+async def _items(queue: QueryQueue) -> list[ListResponse]:
+    return await queue.driver.list_items(PREFIX, process_id=queue.process_uid)
+
+
+async def _statuses(queue: QueryQueue) -> list[str]:
+    return [row.status for row in await _items(queue)]
+
+
+async def _waiting(queue: QueryQueue, count: int) -> bool:
+    return bool((await queue.driver.stats())["waiters"] == count)
+
+
+async def _empty(queue: QueryQueue) -> bool:
+    return not await _items(queue)
 
 
 async def test_concurrency_is_never_exceeded(make_queue: MakeQueue, rec: Recorder) -> None:
@@ -198,7 +240,7 @@ async def test_continue_wait_then_result_on_retry(make_queue: MakeQueue, rec: Re
     with pytest.raises(ContinueWaitError):
         await queue.execute_in_queue("sql", "slow", {"q": 1})  # joins the same item
     rec.gate.set()
-    await wait_until(lambda: not _store(queue).list_items(PREFIX))
+    await wait_until(lambda: _empty(queue))
     assert await queue.execute_in_queue("sql", "slow", {"q": 1}) == {"echo": {"q": 1}}
     assert len(rec.calls) == 1
 
@@ -208,7 +250,7 @@ async def test_is_job_returns_at_once_and_runs(make_queue: MakeQueue, rec: Recor
     assert await queue.execute_in_queue("sql", "job", {"isJob": True}) is None
     await wait_until(lambda: len(rec.calls) == 1)
     rec.gate.set()
-    await wait_until(lambda: not _store(queue).list_items(PREFIX))
+    await wait_until(lambda: _empty(queue))
 
 
 async def test_force_build_skips_the_cached_result_and_joins_a_running_build(
@@ -238,7 +280,7 @@ async def test_bad_input_is_refused_before_anything_is_enqueued(
         await queue.execute_in_queue("sql", "k", {"x": object()})
     with pytest.raises(ValueError, match="stream_handler"):
         await queue.execute_in_queue("stream", "k", {})
-    assert _store(queue).list_items(PREFIX) == []
+    assert await _items(queue) == []
     assert rec.calls == []
 
 
@@ -283,7 +325,7 @@ async def test_orphaned_item_is_reaped_while_polled_item_survives(
             await queue.execute_in_queue("sql", "polled", "polled")  # re-ADD keeps it alive
     assert [c["query"] for c in rec.cancelled] == ["abandoned"]
     assert rec.named(ev.REMOVING_ORPHANED)
-    assert [row.id for row in _store(queue).pending(PREFIX)] == [queue.redis_hash("polled")]
+    assert [row.id for row in await queue.driver.pending(PREFIX)] == [queue.redis_hash("polled")]
     rec.gate.set()
     await asyncio.gather(blocker, return_exceptions=True)  # its caller stopped waiting long ago
     assert await _retry(queue, "polled") == {"echo": "polled"}
@@ -315,12 +357,13 @@ async def test_stalled_item_is_reaped_and_retry_executes_afresh(
     )
     with pytest.raises(ContinueWaitError):
         await dead.execute_in_queue("sql", "stalls", "stalls")
-    assert len(lost) == 1 and [r.status for r in _store(dead).list_items(PREFIX)] == ["active"]
+    assert len(lost) == 1 and await _statuses(dead) == ["active"]
 
     alive = make_queue(
         query_handlers={"sql": rec.instant},
         cancel_handlers={"sql": rec.cancel},
         continue_wait_timeout=0.05,
+        heartbeat_interval=0.05,  # stalled after 0.2 s without a heartbeat
         logger=rec.log,
     )
     deadline = time.monotonic() + 10
@@ -346,16 +389,16 @@ async def test_sync_handler_keeps_heartbeating_while_it_blocks(
     queue = make_queue(
         query_handlers={"sql": blocking},
         cancel_handlers={"sql": rec.cancel},
-        heartbeat_interval=0.05,
+        heartbeat_interval=0.1,
     )
     caller = asyncio.create_task(queue.execute_in_queue("sql", "blocking", {}))
     await wait_until(lambda: _active(queue))
     blocked_since = time.monotonic()
-    while time.monotonic() - blocked_since < 0.6:  # three heartbeat timeouts
+    while time.monotonic() - blocked_since < 1.2:  # three heartbeat timeouts
         await queue.reconcile_queue()
         await asyncio.sleep(0.02)
     assert rec.cancelled == []
-    defs = _store(queue).list_items(PREFIX)
+    defs = await _items(queue)
     assert defs and '"cancelHandler":"pid-1"' in (defs[0].extra or "")
     release.set()
     assert await caller == "done"
@@ -378,7 +421,7 @@ async def test_manual_cancel_calls_cancel_handler_and_stops_the_query(
     assert rec.named(ev.CANCELLING_MANUAL)
     with pytest.raises(ContinueWaitError):
         await caller
-    assert _store(queue).list_items(PREFIX) == []
+    assert await _items(queue) == []
     rec.gate.set()
     assert await _retry(queue, "to-cancel") == {"echo": "to-cancel"}
     assert len(rec.calls) == 2
@@ -393,10 +436,10 @@ async def test_cancel_by_request_id(make_queue: MakeQueue, rec: Recorder) -> Non
     )
     await wait_until(lambda: rec.running == 1)
     queued = asyncio.create_task(queue.execute_in_queue("sql", "b", "b", request_id="req-2"))
-    await wait_until(lambda: _pending_count(queue) == 1)
+    await _wait_pending(queue, 1)
     cancelled = await queue.cancel_query_by_request_id("req-2")
     assert [c["query"] for c in cancelled] == ["b"]
-    assert [row.status for row in _store(queue).list_items(PREFIX)] == ["active"]
+    assert await _statuses(queue) == ["active"]
     rec.gate.set()
     assert await running == {"echo": "a"}
     queued.cancel()
@@ -454,7 +497,7 @@ async def test_reconcile_is_single_flight_with_one_extra_run(make_queue: MakeQue
 
 
 async def test_persistent_keys_of_another_process_are_never_picked(
-    make_queue: MakeQueue, rec: Recorder, shared_store: QueueStore
+    make_queue: MakeQueue, rec: Recorder, shared_driver: QueueDriver
 ) -> None:
     owner_streams: list[str] = []
 
@@ -472,7 +515,7 @@ async def test_persistent_keys_of_another_process_are_never_picked(
     )
     persistent = owner.redis_hash("stream-key", persistent=True)
     assert persistent.endswith("@11111111-1111-4111-8111-111111111111")
-    shared_store.add(
+    await shared_driver.add(
         f"{PREFIX}:{persistent}",
         '{"queryHandler":"stream","query":"s","queryKey":"stream-key","addedToQueueTime":0}',
         exclusive=True,
@@ -489,9 +532,7 @@ async def test_persistent_keys_of_another_process_are_never_picked(
     for _ in range(3):
         await stranger.reconcile_queue()
     assert picked == []
-    assert [
-        row.status for row in shared_store.list_items(PREFIX, process_id=owner.process_uid)
-    ] == ["pending"]
+    assert await _statuses(owner) == ["pending"]
     await owner.reconcile_queue()
     await wait_until(lambda: owner_streams == ["s"])
 
@@ -522,6 +563,7 @@ async def test_burst_onto_idle_queue_fast_tracks_exactly_concurrency(
     assert sorted(e["fastTrack"] for e in rec.named(ev.ADDED_TO_QUEUE)) == [False] * 5 + [True] * 3
     fast_sizes = [e["queueSize"] for e in rec.named(ev.ADDED_TO_QUEUE) if e["fastTrack"]]
     assert fast_sizes == [0, 0, 0]  # a retrieved item never becomes pending
+    await wait_until(lambda: rec.running == 3)
     rec.gate.set()
     assert sorted(r["echo"] for r in await asyncio.gather(*burst)) == list(range(8))
     assert rec.max_running == 3
@@ -539,7 +581,7 @@ async def test_failed_fast_track_dispatch_is_a_continue_wait(
     with pytest.raises(ContinueWaitError):
         await queue.execute_in_queue("sql", "urgent", "urgent", 10)
     assert "worker pool unreachable" in rec.named(ev.ERROR_PROCESSING_MESSAGE)[0]["error"]
-    assert [row.status for row in _store(queue).list_items(PREFIX)] == ["active"]
+    assert await _statuses(queue) == ["active"]
 
 
 async def test_stream_that_starts_at_once_reaches_its_waiter(make_queue: MakeQueue) -> None:
@@ -553,7 +595,7 @@ async def test_stream_that_starts_at_once_reaches_its_waiter(make_queue: MakeQue
     )
     assert isinstance(stream, QueryStream)
     assert await stream.rows() == [{"n": i} for i in range(50)]
-    await wait_until(lambda: not _store(queue).list_items(PREFIX, process_id=queue.process_uid))
+    await wait_until(lambda: _empty(queue))
 
 
 async def test_stream_waiter_subscribes_before_dispatch(make_queue: MakeQueue) -> None:
@@ -593,7 +635,8 @@ async def test_get_query_stage_reports_executing_and_position(
         )
         for name in ("first", "second", "third")
     ]
-    await wait_until(lambda: rec.running == 1 and _pending_count(queue) == 2)
+    await wait_until(lambda: rec.running == 1)
+    await _wait_pending(queue, 2)
     executing = await queue.get_query_stage("stage-first")
     assert executing is not None and executing["stage"] == "Executing query"
     assert executing["timeElapsed"] is not None and executing["timeElapsed"] >= 0

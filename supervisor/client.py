@@ -1,0 +1,384 @@
+"""The client driver: the QUEUE commands sent to the supervisor over its socket.
+
+Just another `QueueDriver`: the engine cannot tell it from a local store. One connection
+per process and event loop, shared by every coroutine (requests are pipelined and matched
+by id); a forked child or another loop opens its own, never reusing its parent's socket.
+When the supervisor goes away the driver reconnects with bounded backoff. A command that
+was sent but not answered is re-sent only when doing it twice is harmless (reads, ADD —
+which deduplicates — and commands that name an item by its queue id, which is never
+reused); otherwise the caller gets `SupervisorUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from engine.errors import CommandTimeoutError, SupervisorUnavailableError
+from engine.responses import (
+    AckResponse,
+    AddAndRetrieveResponse,
+    AddToQueueResponse,
+    ListResponse,
+    QueryDefResponse,
+    QueueKey,
+    ResultResponse,
+    RetrieveResponse,
+    ToCancelResponse,
+)
+from supervisor.paths import default_socket_path
+from supervisor.protocol import (
+    DECODERS,
+    DEFAULT_MAX_FRAME,
+    FrameError,
+    encode_frame,
+    raise_error,
+    read_frame,
+)
+
+_ALWAYS_SAFE = {
+    "add",
+    "get",
+    "list_items",
+    "pending",
+    "active",
+    "to_cancel",
+    "heartbeat",
+    "merge_extra",
+    "stats",
+    "ping",
+}
+# Safe when they name the item by queue id (or, for RESULT, read by external id).
+_SAFE_BY_ID = {"ack", "cancel", "result", "result_blocking"}
+
+
+class _ConnectionLost(Exception):
+    pass
+
+
+def _retry_safe(method: str, args: list[Any], kwargs: dict[str, Any]) -> bool:
+    if method in _ALWAYS_SAFE:
+        return True
+    if method in _SAFE_BY_ID:
+        return (bool(args) and isinstance(args[0], int)) or kwargs.get("external_id") is not None
+    return False
+
+
+class _Link:
+    """One connection, owned by one process and one event loop."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame: int
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.task = asyncio.ensure_future(self._read(max_frame))
+        self.alive = True
+
+    async def _read(self, max_frame: int) -> None:
+        try:
+            while True:
+                body = await read_frame(self.reader, max_frame)
+                if body is None:
+                    break
+                reply = orjson.loads(body)
+                reply_id = reply.get("id") if isinstance(reply, dict) else None
+                future = self.pending.pop(reply_id, None) if isinstance(reply_id, int) else None
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except (ConnectionError, FrameError, ValueError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.alive = False
+            for future in self.pending.values():
+                if not future.done():
+                    future.set_exception(_ConnectionLost())
+            self.pending.clear()
+            with contextlib.suppress(Exception):
+                self.writer.close()
+
+    def close(self) -> None:
+        self.alive = False
+        self.task.cancel()
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class SocketQueueDriver:
+    def __init__(
+        self,
+        socket_path: str | Path | None = None,
+        *,
+        process_id: str | None = None,
+        reconnect_timeout: float = 30.0,
+        request_timeout: float = 60.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.socket_path = Path(socket_path) if socket_path is not None else default_socket_path()
+        self.process_id = process_id
+        self.reconnect_timeout = reconnect_timeout
+        self.request_timeout = request_timeout
+        self.max_frame = max_frame
+        self._ids = itertools.count(1)
+        self._link: _Link | None = None
+        self._owner: tuple[int, asyncio.AbstractEventLoop] | None = None
+        self._connecting: asyncio.Lock | None = None
+        self.reconnects = 0
+        self._closed = False
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _forget_if_foreign(self) -> None:
+        owner = (os.getpid(), asyncio.get_running_loop())
+        if self._owner != owner:
+            # A forked child or another loop: the old link belongs to someone else. Drop it
+            # without touching it (closing could disturb the parent's connection).
+            self._link = None
+            self._connecting = asyncio.Lock()
+            self._owner = owner
+
+    async def _connected(self) -> _Link:
+        if self._closed:
+            raise SupervisorUnavailableError("this driver is closed")
+        self._forget_if_foreign()
+        link = self._link
+        if link is not None and link.alive:
+            return link
+        assert self._connecting is not None
+        async with self._connecting:
+            if self._link is not None and self._link.alive:
+                return self._link
+            self._link = await self._connect()
+            return self._link
+
+    async def _connect(self) -> _Link:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_timeout
+        delay = 0.01
+        was_connected = self._link is not None
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+                break
+            except OSError as exc:
+                if loop.time() + delay > deadline:
+                    raise SupervisorUnavailableError(
+                        f"no supervisor at {self.socket_path} ({exc.strerror or exc})"
+                    ) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        link = _Link(reader, writer, self.max_frame)
+        if was_connected:
+            self.reconnects += 1
+        if self.process_id is not None:
+            await self._exchange(
+                link, {"cmd": "hello", "kwargs": {"process_id": self.process_id}}, None
+            )
+        return link
+
+    async def _exchange(
+        self, link: _Link, message: dict[str, Any], timeout: float | None
+    ) -> dict[str, Any]:
+        request_id = next(self._ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        link.pending[request_id] = future
+        try:
+            link.writer.write(encode_frame({**message, "id": request_id}))
+        except (ConnectionError, RuntimeError):
+            link.pending.pop(request_id, None)
+            raise _ConnectionLost() from None
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            link.pending.pop(request_id, None)
+            raise CommandTimeoutError(
+                f"{message.get('cmd') or 'command'}: no answer in {timeout}s"
+            ) from None
+
+    async def call(self, method: str, *args: Any, extra_wait: float = 0.0, **kwargs: Any) -> Any:
+        """Send one command; returns the raw `ok` value (decode with DECODERS)."""
+        message = {"cmd": method, "args": list(args), "kwargs": kwargs}
+        retry = _retry_safe(method, list(args), kwargs)
+        while True:
+            link = await self._connected()
+            try:
+                reply = await self._exchange(link, message, self.request_timeout + extra_wait)
+            except _ConnectionLost:
+                if not retry:
+                    raise SupervisorUnavailableError(
+                        f"{method}: the supervisor went away before answering"
+                    ) from None
+                continue
+            if "error" in reply:
+                raise_error(reply["error"])
+            return reply.get("ok")
+
+    async def sql(self, text: str) -> list[dict[str, Any]]:
+        """Run one QUEUE command given as Cube Store SQL text; returns Cube Store's rows."""
+        link = await self._connected()
+        try:
+            reply = await self._exchange(link, {"sql": text}, self.request_timeout)
+        except _ConnectionLost:
+            raise SupervisorUnavailableError("the supervisor went away before answering") from None
+        if "error" in reply:
+            raise_error(reply["error"])
+        rows: list[dict[str, Any]] = reply.get("rows", [])
+        return rows
+
+    async def stats(self) -> dict[str, Any]:
+        answer: dict[str, Any] = await self.call("stats")
+        return answer
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._link is not None and self._owner is not None and self._owner[0] == os.getpid():
+            self._link.close()
+            with contextlib.suppress(BaseException):
+                await self._link.task
+        self._link = None
+
+    # -- the QUEUE commands ------------------------------------------------------------------------
+
+    async def _decoded(
+        self, method: str, *args: Any, extra_wait: float = 0.0, **kwargs: Any
+    ) -> Any:
+        return DECODERS[method](await self.call(method, *args, extra_wait=extra_wait, **kwargs))
+
+    async def add(
+        self,
+        path: str,
+        payload: str,
+        *,
+        priority: int = 0,
+        orphaned: float | None = None,
+        external_id: str | None = None,
+        exclusive: bool = False,
+        process_id: str | None = None,
+    ) -> AddToQueueResponse:
+        answer: AddToQueueResponse = await self._decoded(
+            "add",
+            path,
+            payload,
+            priority=priority,
+            orphaned=orphaned,
+            external_id=external_id,
+            exclusive=exclusive,
+            process_id=process_id,
+        )
+        return answer
+
+    async def add_and_retrieve(
+        self,
+        path: str,
+        payload: str,
+        concurrency: int,
+        *,
+        priority: int = 0,
+        orphaned: float | None = None,
+        external_id: str | None = None,
+        exclusive: bool = False,
+        process_id: str | None = None,
+    ) -> AddAndRetrieveResponse:
+        answer: AddAndRetrieveResponse = await self._decoded(
+            "add_and_retrieve",
+            path,
+            payload,
+            concurrency,
+            priority=priority,
+            orphaned=orphaned,
+            external_id=external_id,
+            exclusive=exclusive,
+            process_id=process_id,
+        )
+        return answer
+
+    async def retrieve(
+        self,
+        key: QueueKey,
+        *,
+        concurrency: int = 1,
+        extended: bool = True,
+        process_id: str | None = None,
+    ) -> RetrieveResponse | None:
+        answer: RetrieveResponse | None = await self._decoded(
+            "retrieve", key, concurrency=concurrency, extended=extended, process_id=process_id
+        )
+        return answer
+
+    async def ack(self, key: QueueKey, result: str | None) -> AckResponse:
+        answer: AckResponse = await self._decoded("ack", key, result)
+        return answer
+
+    async def result(
+        self, key: QueueKey, *, external_id: str | None = None
+    ) -> ResultResponse | None:
+        answer: ResultResponse | None = await self._decoded("result", key, external_id=external_id)
+        return answer
+
+    async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
+        extra = timeout_ms / 1000 if isinstance(timeout_ms, int) and timeout_ms > 0 else 0.0
+        answer: ResultResponse | None = await self._decoded(
+            "result_blocking", key, timeout_ms, extra_wait=extra
+        )
+        return answer
+
+    async def get(self, key: QueueKey) -> QueryDefResponse | None:
+        answer: QueryDefResponse | None = await self._decoded("get", key)
+        return answer
+
+    async def cancel(self, key: QueueKey) -> QueryDefResponse | None:
+        answer: QueryDefResponse | None = await self._decoded("cancel", key)
+        return answer
+
+    async def heartbeat(self, key: QueueKey) -> bool:
+        return bool(await self.call("heartbeat", key))
+
+    async def merge_extra(self, key: QueueKey, extra: str) -> bool:
+        return bool(await self.call("merge_extra", key, extra))
+
+    async def list_items(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]:
+        answer: list[ListResponse] = await self._decoded(
+            "list_items", prefix, with_payload=with_payload, process_id=process_id
+        )
+        return answer
+
+    async def pending(
+        self,
+        prefix: str,
+        *,
+        with_payload: bool = False,
+        process_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[ListResponse]:
+        answer: list[ListResponse] = await self._decoded(
+            "pending", prefix, with_payload=with_payload, process_id=process_id, limit=limit
+        )
+        return answer
+
+    async def active(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]:
+        answer: list[ListResponse] = await self._decoded(
+            "active", prefix, with_payload=with_payload, process_id=process_id
+        )
+        return answer
+
+    async def to_cancel(
+        self, heartbeat_timeout_ms: int | None, orphaned_timeout_ms: int | None, prefix: str
+    ) -> list[ToCancelResponse]:
+        answer: list[ToCancelResponse] = await self._decoded(
+            "to_cancel", heartbeat_timeout_ms, orphaned_timeout_ms, prefix
+        )
+        return answer
+
+    async def truncate(self) -> None:
+        await self.call("truncate")

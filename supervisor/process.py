@@ -1,0 +1,57 @@
+"""Running the supervisor: the store, the server, signals, and a clean exit."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from driver_sqlite.store import SqliteQueueStore, Synchronous
+from supervisor.server import QueueServer
+
+
+async def serve(
+    db: str | Path,
+    socket_path: str | Path,
+    *,
+    synchronous: Synchronous = "NORMAL",
+    tcp_port: int | None = None,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully."""
+    store = SqliteQueueStore(db, synchronous=synchronous)
+    server = QueueServer(
+        store,
+        socket_path,
+        tcp_host="127.0.0.1" if tcp_port is not None else None,
+        tcp_port=tcp_port,
+    )
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)  # the handler only sets a flag
+    try:
+        await server.start()
+        print(f"queryqueue supervisor listening on {server.socket_path}", flush=True)
+        if server.tcp_address is not None:
+            print(f"queryqueue supervisor listening on tcp {server.tcp_address}", flush=True)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await server.stop()
+        store.close()
+
+
+def run(
+    db: str | Path,
+    socket_path: str | Path,
+    *,
+    synchronous: Synchronous = "NORMAL",
+    tcp_port: int | None = None,
+) -> int:
+    asyncio.run(serve(db, socket_path, synchronous=synchronous, tcp_port=tcp_port))
+    return 0

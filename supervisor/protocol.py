@@ -1,0 +1,128 @@
+"""The supervisor's wire protocol: length-prefixed orjson frames.
+
+A frame is a 4-byte big-endian unsigned length followed by that many bytes of UTF-8 JSON.
+
+Request:  {"id": 7, "cmd": "add", "args": ["p:k", "{}"], "kwargs": {"priority": 10}}
+          {"id": 8, "sql": "QUEUE LIST 'p'"}
+Reply:    {"id": 7, "ok": {"id": 1, "added": true, "pending": 1}}
+          {"id": 8, "rows": [{"id": "k", "queue_id": "1", "status": "pending", "extra": null}]}
+          {"id": 9, "error": {"type": "InvalidCommandError", "message": "priority should be ..."}}
+
+Requests may be pipelined and are answered in any order (match replies by `id`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import fields, is_dataclass
+from enum import Enum
+from typing import Any
+
+import orjson
+
+from engine import errors
+from engine.responses import (
+    AckResponse,
+    AddAndRetrieveResponse,
+    AddToQueueResponse,
+    ListResponse,
+    QueryDefResponse,
+    ResultResponse,
+    ResultStatus,
+    RetrieveResponse,
+    ToCancelResponse,
+)
+
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 256 * 1024 * 1024
+
+
+class FrameError(errors.QueueError):
+    """The byte stream is not a sequence of frames: the connection cannot be resynchronized."""
+
+
+async def read_frame(reader: asyncio.StreamReader, max_size: int) -> bytes | None:
+    """One frame's body, or None at a clean end of stream."""
+    try:
+        header = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise FrameError(f"truncated frame header ({len(exc.partial)} of 4 bytes)") from None
+    (size,) = HEADER.unpack(header)
+    if size > max_size:
+        raise FrameError(f"frame of {size} bytes is over the limit of {max_size} bytes")
+    try:
+        return await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise FrameError(f"truncated frame: {len(exc.partial)} of {size} bytes") from None
+
+
+def encode_frame(message: Any) -> bytes:
+    body = orjson.dumps(message, default=_default)
+    return HEADER.pack(len(body)) + body
+
+
+def _default(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in fields(value)}
+    if isinstance(value, Enum):
+        return value.value
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def error_payload(exc: BaseException) -> dict[str, str]:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+# -- replies back into response types ------------------------------------------------------
+
+
+def _one(cls: type[Any]) -> Any:
+    return lambda data: None if data is None else cls(**data)
+
+
+def _many(cls: type[Any]) -> Any:
+    return lambda data: [cls(**row) for row in data]
+
+
+def _result(data: Any) -> ResultResponse | None:
+    if data is None:
+        return None
+    return ResultResponse(
+        payload=data["payload"],
+        type=ResultStatus(data["type"]),
+        id=data["id"],
+        external_id=data["external_id"],
+    )
+
+
+DECODERS: dict[str, Any] = {
+    "add": _one(AddToQueueResponse),
+    "add_and_retrieve": _one(AddAndRetrieveResponse),
+    "retrieve": _one(RetrieveResponse),
+    "ack": _one(AckResponse),
+    "result": _result,
+    "result_blocking": _result,
+    "get": _one(QueryDefResponse),
+    "cancel": _one(QueryDefResponse),
+    "list_items": _many(ListResponse),
+    "pending": _many(ListResponse),
+    "active": _many(ListResponse),
+    "to_cancel": _many(ToCancelResponse),
+}
+
+
+def raise_error(payload: dict[str, Any]) -> None:
+    """Re-raise an error reply as the same exception family on this side."""
+    kind = payload.get("type", "")
+    message = payload.get("message", "")
+    cls = getattr(errors, kind, None)
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, errors.QueueError)
+        and cls is not errors.QueueError
+    ):
+        raise cls(message)
+    raise errors.CommandRejectedError(f"{kind}: {message}")

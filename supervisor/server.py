@@ -1,0 +1,386 @@
+"""The supervisor's queue server: one process owns the store and serves every other process.
+
+Like Cube Store, it serializes every write. Commands from all connections go through one
+executor that runs whatever has arrived together in one transaction (group commit: one
+WAL commit, one fsync with FULL), each command in a savepoint of its own, and answers
+only once that transaction has committed. RESULT_BLOCKING is parked in memory and woken
+by the ACK that completes the item (or answered empty at its timeout): nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from engine.errors import InvalidCommandError, QueueError, StoreError
+from engine.store import QueueStore
+from supervisor import sqltext
+from supervisor.protocol import (
+    DEFAULT_MAX_FRAME,
+    FrameError,
+    encode_frame,
+    error_payload,
+    read_frame,
+)
+
+# Commands a client may call, and which of them take the connection's process id.
+COMMANDS = {
+    "add",
+    "add_and_retrieve",
+    "retrieve",
+    "ack",
+    "result",
+    "result_blocking",
+    "get",
+    "cancel",
+    "heartbeat",
+    "merge_extra",
+    "list_items",
+    "pending",
+    "active",
+    "to_cancel",
+    "truncate",
+}
+_TAKES_PROCESS_ID = {"add", "add_and_retrieve", "retrieve", "list_items", "pending", "active"}
+_LATENCY_SAMPLES = 2048
+
+
+@dataclass
+class _Kind:
+    count: int = 0
+    errors: int = 0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_SAMPLES))
+
+
+class Stats:
+    """Commands by kind and their latency (enqueue to answer, in ms) over recent samples."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.kinds: dict[str, _Kind] = {}
+        self.batches = 0
+        self.batched_commands = 0
+
+    def record(self, kind: str, seconds: float, ok: bool) -> None:
+        entry = self.kinds.setdefault(kind, _Kind())
+        entry.count += 1
+        entry.errors += 0 if ok else 1
+        entry.latencies.append(seconds * 1000)
+
+    def snapshot(self) -> dict[str, Any]:
+        uptime = time.monotonic() - self.started
+        total = sum(k.count for k in self.kinds.values())
+        return {
+            "uptime_s": round(uptime, 3),
+            "commands_total": total,
+            "commands_per_s": round(total / uptime, 1) if uptime > 0 else 0.0,
+            "mean_batch": round(self.batched_commands / self.batches, 2) if self.batches else 0.0,
+            "commands": {
+                name: {
+                    "count": k.count,
+                    "errors": k.errors,
+                    "p50_ms": _percentile(k.latencies, 0.50),
+                    "p99_ms": _percentile(k.latencies, 0.99),
+                }
+                for name, k in sorted(self.kinds.items())
+            },
+        }
+
+
+def _percentile(samples: deque[float], q: float) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+@dataclass(eq=False)
+class _Connection:
+    writer: asyncio.StreamWriter
+    process_id: str | None = None
+    parked: set[asyncio.Task[None]] = field(default_factory=set)
+    closed: bool = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.closed or self.writer.is_closing():
+            return
+        try:
+            frame = encode_frame(message)
+        except TypeError as exc:
+            frame = encode_frame({"id": message.get("id"), "error": error_payload(exc)})
+        self.writer.write(frame)
+
+
+@dataclass(eq=False)
+class _Request:
+    connection: _Connection
+    id: Any
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    rows: Callable[[Any], list[sqltext.Row]] | None  # set for SQL text: answer as rows
+    received: float
+
+
+class QueueServer:
+    def __init__(
+        self,
+        store: QueueStore,
+        socket_path: str | Path,
+        *,
+        tcp_host: str | None = None,
+        tcp_port: int | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        max_batch: int = 512,
+    ) -> None:
+        if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
+            raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
+        self.store = store
+        self.socket_path = Path(socket_path)
+        self.tcp_host = tcp_host
+        self.tcp_port = tcp_port
+        self.max_frame = max_frame
+        self.max_batch = max_batch
+        self.stats = Stats()
+        self._servers: list[asyncio.Server] = []
+        self._inbox: asyncio.Queue[_Request] = asyncio.Queue()
+        self._executor: asyncio.Task[None] | None = None
+        self._connections: set[_Connection] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    async def start(self) -> None:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()  # a stale socket of a dead supervisor
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window with wider access
+        try:
+            self._servers.append(
+                await asyncio.start_unix_server(self._serve, path=str(self.socket_path))
+            )
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        if self.tcp_host is not None:
+            self._servers.append(
+                await asyncio.start_server(self._serve, self.tcp_host, self.tcp_port or 0)
+            )
+        self._executor = asyncio.ensure_future(self._execute_forever())
+
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        for server in self._servers[1:]:
+            host, port = server.sockets[0].getsockname()[:2]
+            return str(host), int(port)
+        return None
+
+    async def stop(self) -> None:
+        """Stop accepting, answer parked long-polls with their timeout answer, finish what
+        has arrived, then checkpoint the WAL."""
+        self._stopping = True
+        for server in self._servers:
+            server.close()
+        for connection in list(self._connections):
+            for task in list(connection.parked):
+                task.cancel()
+        await asyncio.sleep(0)
+        while not self._inbox.empty():
+            self._run_batch()
+        if self._executor is not None:
+            self._executor.cancel()
+            await asyncio.gather(self._executor, return_exceptions=True)
+        for connection in list(self._connections):
+            with contextlib.suppress(Exception):
+                await connection.writer.drain()
+            connection.writer.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        checkpoint = getattr(self.store, "checkpoint", None)
+        if checkpoint is not None:
+            with contextlib.suppress(StoreError):
+                checkpoint()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    # -- connections ----------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        connection = _Connection(writer)
+        self._connections.add(connection)
+        try:
+            while not self._stopping:
+                try:
+                    body = await read_frame(reader, self.max_frame)
+                except FrameError as exc:
+                    # The stream cannot be resynchronized: say why, then hang up on this client.
+                    connection.send({"id": None, "error": error_payload(exc)})
+                    break
+                if body is None:
+                    break
+                self._accept(connection, body)
+                if writer.transport.get_write_buffer_size() > 4 * 1024 * 1024:
+                    await writer.drain()  # a client that does not read slows only itself
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            connection.closed = True
+            for parked in list(connection.parked):
+                parked.cancel()
+            self._connections.discard(connection)
+            with contextlib.suppress(Exception):
+                writer.close()
+            if task is not None:
+                self._handlers.discard(task)
+
+    def _accept(self, connection: _Connection, body: bytes) -> None:
+        request_id: Any = None
+        try:
+            message = orjson.loads(body)
+            if not isinstance(message, dict):
+                raise InvalidCommandError("a request must be a JSON object")
+            request_id = message.get("id")
+            request = self._parse(connection, message, request_id)
+        except orjson.JSONDecodeError as exc:
+            connection.send(
+                {
+                    "id": None,
+                    "error": error_payload(InvalidCommandError(f"frame is not JSON: {exc}")),
+                }
+            )
+            return
+        except QueueError as exc:
+            connection.send({"id": request_id, "error": error_payload(exc)})
+            return
+        if request is None:
+            return
+        if request.method == "result_blocking":
+            parked = asyncio.ensure_future(self._result_blocking(request))
+            connection.parked.add(parked)
+            parked.add_done_callback(connection.parked.discard)
+        else:
+            self._inbox.put_nowait(request)
+
+    def _parse(
+        self, connection: _Connection, message: dict[str, Any], request_id: Any
+    ) -> _Request | None:
+        received = time.monotonic()
+        if "sql" in message:
+            parsed = sqltext.parse(message["sql"])
+            method, args, kwargs, rows = parsed.method, parsed.args, parsed.kwargs, parsed.rows
+        else:
+            cmd = message.get("cmd")
+            args = message.get("args", [])
+            kwargs = message.get("kwargs", {})
+            rows = None
+            if not isinstance(cmd, str):
+                raise InvalidCommandError("a request needs a 'cmd' (or 'sql') string")
+            method = cmd
+            if not isinstance(args, list) or not isinstance(kwargs, dict):
+                raise InvalidCommandError(f"{method}: 'args' must be a list and 'kwargs' an object")
+            if method == "hello":
+                process_id = kwargs.get("process_id")
+                if process_id is not None and (
+                    not isinstance(process_id, str) or not 0 < len(process_id) <= 96
+                ):
+                    raise InvalidCommandError(
+                        "hello: process_id must be a string of 1 to 96 characters"
+                    )
+                connection.process_id = process_id
+                connection.send({"id": request_id, "ok": {"pid": os.getpid()}})
+                return None
+            if method == "ping":
+                connection.send({"id": request_id, "ok": "pong"})
+                return None
+            if method == "stats":
+                connection.send({"id": request_id, "ok": self.describe()})
+                return None
+            if method not in COMMANDS:
+                raise InvalidCommandError(f"unknown command {method!r}")
+        if method in _TAKES_PROCESS_ID and "process_id" not in kwargs:
+            kwargs["process_id"] = connection.process_id
+        try:
+            inspect.signature(getattr(self.store, method)).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InvalidCommandError(f"{method}: wrong arguments ({exc})") from None
+        return _Request(connection, request_id, method, args, kwargs, rows, received)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **self.stats.snapshot(),
+            **self.store.describe(),
+            "connections": len(self._connections),
+            "pid": os.getpid(),
+        }
+
+    # -- execution --------------------------------------------------------------------------------
+
+    async def _execute_forever(self) -> None:
+        while True:
+            first = await self._inbox.get()
+            self._run_batch(first)
+            # Let connections read what arrived meanwhile: the next batch groups it.
+            await asyncio.sleep(0)
+
+    def _run_batch(self, first: _Request | None = None) -> None:
+        batch: list[_Request] = [] if first is None else [first]
+        while len(batch) < self.max_batch and not self._inbox.empty():
+            batch.append(self._inbox.get_nowait())
+        if not batch:
+            return
+        answers: list[tuple[bool, Any]] = []
+        try:
+            with self.store.batch():
+                for request in batch:
+                    answers.append(self._run(request))
+        except StoreError as exc:
+            # The commit failed: nothing of this batch happened.
+            answers = [(False, exc)] * len(batch)
+        self.stats.batches += 1
+        self.stats.batched_commands += len(batch)
+        now = time.monotonic()
+        for request, (ok, answer) in zip(batch, answers, strict=True):
+            self.stats.record(request.method, now - request.received, ok)
+            self._answer(request, ok, answer)
+
+    def _run(self, request: _Request) -> tuple[bool, Any]:
+        try:
+            return True, getattr(self.store, request.method)(*request.args, **request.kwargs)
+        except QueueError as exc:
+            return False, exc
+        except Exception as exc:  # a bug must not take the server down with it
+            return False, StoreError(f"{request.method} failed: {exc!r}")
+
+    def _answer(self, request: _Request, ok: bool, answer: Any) -> None:
+        if not ok:
+            request.connection.send({"id": request.id, "error": error_payload(answer)})
+        elif request.rows is not None:
+            request.connection.send({"id": request.id, "rows": request.rows(answer)})
+        else:
+            request.connection.send({"id": request.id, "ok": answer})
+
+    async def _result_blocking(self, request: _Request) -> None:
+        try:
+            answer = await self.store.result_blocking(*request.args, **request.kwargs)
+        except asyncio.CancelledError:
+            # Shutdown or hang-up: a parked long-poll gets its timeout answer.
+            answer = None
+        except QueueError as exc:
+            self.stats.record(request.method, time.monotonic() - request.received, False)
+            self._answer(request, False, exc)
+            return
+        self.stats.record(request.method, time.monotonic() - request.received, True)
+        self._answer(request, True, answer)
