@@ -184,7 +184,7 @@ class SocketQueueDriver:
         return link
 
     async def _exchange(
-        self, link: _Link, message: dict[str, Any], timeout: float | None
+        self, link: _Link, message: dict[str, Any], answer_within: float | None
     ) -> dict[str, Any]:
         request_id = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -195,11 +195,11 @@ class SocketQueueDriver:
             link.pending.pop(request_id, None)
             raise _ConnectionLost() from None
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
+            return await asyncio.wait_for(asyncio.shield(future), answer_within)
         except TimeoutError:
             link.pending.pop(request_id, None)
             raise CommandTimeoutError(
-                f"{message.get('cmd') or 'command'}: no answer in {timeout}s"
+                f"{message.get('cmd') or 'command'}: no answer in {answer_within}s"
             ) from None
 
     async def call(self, method: str, *args: Any, extra_wait: float = 0.0, **kwargs: Any) -> Any:
