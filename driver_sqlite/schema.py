@@ -54,7 +54,8 @@ MIGRATIONS: list[tuple[int, str]] = [
             value       TEXT    NOT NULL,
             deleted     INTEGER NOT NULL,                   -- consumed by a path read
             expire      INTEGER NOT NULL,                   -- ms
-            external_id TEXT
+            external_id TEXT,
+            consumed_by TEXT                                -- token of the consuming read
         );
         CREATE INDEX results_path ON results (path, id);
         CREATE INDEX results_external_id ON results (external_id, id) WHERE external_id IS NOT NULL;

@@ -34,7 +34,7 @@ _ITEM_COLUMNS = (
     "id, prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id, "
     "exclusive, external_id"
 )
-_RESULT_COLUMNS = "id, path, value, deleted, expire, external_id"
+_RESULT_COLUMNS = "id, path, value, deleted, expire, external_id, consumed_by"
 _STATUS_CODE: dict[ItemStatus, int] = {"pending": PENDING, "active": ACTIVE}
 _STATUS_NAME: dict[int, ItemStatus] = {PENDING: "pending", ACTIVE: "active"}
 
@@ -67,6 +67,7 @@ def _result(row: tuple[Any, ...] | None) -> StoredResult | None:
         deleted=bool(row[3]),
         expire=row[4],
         external_id=row[5],
+        consumed_by=row[6],
     )
 
 
@@ -207,8 +208,8 @@ class SqliteTransaction:
 
     def insert_result(self, result: StoredResult) -> None:
         self._c.execute(
-            "INSERT OR REPLACE INTO results (id, path, value, deleted, expire, external_id)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO results (id, path, value, deleted, expire, external_id,"
+            " consumed_by) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 result.id,
                 result.path,
@@ -216,6 +217,7 @@ class SqliteTransaction:
                 int(result.deleted),
                 result.expire,
                 result.external_id,
+                result.consumed_by,
             ),
         )
 
@@ -244,8 +246,11 @@ class SqliteTransaction:
             )
         )
 
-    def mark_result_deleted(self, id: QueueId) -> None:
-        self._c.execute("UPDATE results SET deleted = 1 WHERE id = ? AND deleted = 0", (id,))
+    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
+        self._c.execute(
+            "UPDATE results SET deleted = 1, consumed_by = ? WHERE id = ? AND deleted = 0",
+            (consumer, id),
+        )
 
     def delete_result(self, id: QueueId) -> None:
         self._c.execute("DELETE FROM results WHERE id = ?", (id,))
@@ -270,6 +275,10 @@ class SqliteTransaction:
         ]
         row = self._one("SELECT count(*) FROM results WHERE expire > ?", (now,))
         return found, int(row[0]) if row else 0
+
+    def refresh_active_heartbeats(self, now: int) -> int:
+        cursor = self._c.execute("UPDATE items SET heartbeat = ? WHERE status = ?", (now, ACTIVE))
+        return cursor.rowcount
 
     def truncate(self) -> None:
         # DELETE rather than DROP: AUTOINCREMENT keeps counting, so ids are never reused.

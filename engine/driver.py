@@ -66,7 +66,7 @@ class QueueDriver(Protocol):
     async def ack(self, key: QueueKey, result: str | None) -> AckResponse: ...
 
     async def result(
-        self, key: QueueKey, *, external_id: str | None = None
+        self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
     ) -> ResultResponse | None: ...
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None: ...
@@ -180,9 +180,9 @@ class LocalQueueDriver:
         return self.store.ack(key, result)
 
     async def result(
-        self, key: QueueKey, *, external_id: str | None = None
+        self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
     ) -> ResultResponse | None:
-        return self.store.result(key, external_id=external_id)
+        return self.store.result(key, external_id=external_id, consumer=consumer)
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         return await self.store.result_blocking(key, timeout_ms)

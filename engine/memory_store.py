@@ -216,11 +216,11 @@ class MemoryTransaction:
                 return found
         return None
 
-    def mark_result_deleted(self, id: QueueId) -> None:
+    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
         before = self._s.results.get(id)
         if before is None or before.deleted:
             return
-        self._s.results[id] = replace(before, deleted=True)
+        self._s.results[id] = replace(before, deleted=True, consumed_by=consumer)
         self.undo.append(lambda: self._s.results.__setitem__(id, before))
 
     def delete_result(self, id: QueueId) -> None:
@@ -245,6 +245,17 @@ class MemoryTransaction:
             found.append(PrefixOverview(prefix, pending, active, min(created) if created else None))
         held = sum(1 for r in self._s.results.values() if r.expire > now)
         return found, held
+
+    def refresh_active_heartbeats(self, now: int) -> int:
+        active = [
+            item
+            for index, ids in list(self._s.by_status.items())
+            if index[1] == "active"
+            for item in (self._s.items[i] for i in ids)
+        ]
+        for item in active:
+            self._update(item.id, heartbeat=now)
+        return len(active)
 
     def truncate(self) -> None:
         s = self._s

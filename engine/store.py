@@ -89,6 +89,7 @@ class StoredResult:
     deleted: bool
     expire: int
     external_id: str | None
+    consumed_by: str | None = None  # the token of the RESULT-by-path read that consumed it
 
 
 class StoreTransaction(Protocol):
@@ -151,7 +152,9 @@ class StoreTransaction(Protocol):
 
     def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None: ...
 
-    def mark_result_deleted(self, id: QueueId) -> None: ...
+    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
+        """Mark consumed (once: a second mark keeps the first consumer)."""
+        ...
 
     def delete_result(self, id: QueueId) -> None: ...
 
@@ -161,6 +164,10 @@ class StoreTransaction(Protocol):
 
     def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
         """Per prefix (pending, active, oldest item's creation), and results still held."""
+        ...
+
+    def refresh_active_heartbeats(self, now: int) -> int:
+        """Set the heartbeat of every active item to `now`; returns how many."""
         ...
 
 
@@ -421,21 +428,33 @@ class QueueStore(ABC):
         )
         return AckResponse(success=True)
 
-    def result(self, key: QueueKey, *, external_id: str | None = None) -> ResultResponse | None:
+    def result(
+        self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
+    ) -> ResultResponse | None:
         """QUEUE RESULT [EXTERNAL_ID e] key.
 
         By external id or by queue id a result reads many times while it lives; by path it
         is consumed by the first read. A path result created for another external id is not
         served to a caller that names its own.
+
+        `consumer` (our extension) is a token naming this read: a path result consumed by
+        the same token is served again, so a client can safely re-send a read whose answer
+        it lost (a supervisor crash between commit and reply).
         """
         v.check_key(key)
         v.check_external_id(external_id)
+        if consumer is not None and (not isinstance(consumer, str) or not 0 < len(consumer) <= 64):
+            raise InvalidCommandError("consumer must be a string of 1 to 64 characters")
         with self._atomic() as tx:
-            return self._lookup_result(tx, key, external_id, self.clock.now_ms())
+            return self._lookup_result(tx, key, external_id, self.clock.now_ms(), consumer)
 
     @staticmethod
     def _lookup_result(
-        tx: StoreTransaction, key: QueueKey, external_id: str | None, now: int
+        tx: StoreTransaction,
+        key: QueueKey,
+        external_id: str | None,
+        now: int,
+        consumer: str | None = None,
     ) -> ResultResponse | None:
         if external_id is not None:
             found = tx.latest_result_by_external_id(external_id, now)
@@ -449,10 +468,17 @@ class QueueStore(ABC):
                 return None
         else:
             found = tx.latest_result_by_path(key, now)
-            if found is None or found.deleted:
+            if found is None:
                 return None
+            if found.deleted:
+                # Consumed: only the very read that consumed it may have it again.
+                if consumer is None or found.consumed_by != consumer:
+                    return None
+                return _result_response(found)
             if external_id is not None and found.external_id not in (None, external_id):
                 return None
+            tx.mark_result_deleted(found.id, consumer)
+            return _result_response(found)
         if not found.deleted:
             tx.mark_result_deleted(found.id)
         return _result_response(found)
@@ -634,6 +660,17 @@ class QueueStore(ABC):
             "results_held": results,
             "waiters": self.waiters.count(),
         }
+
+    def refresh_active_heartbeats(self) -> int:
+        """Give every active item a fresh heartbeat (not a QUEUE command).
+
+        For a store coming back after an outage: while it was down nobody could heartbeat,
+        so a stale heartbeat is no evidence that an executor died. Live executors get one
+        full heartbeat timeout to reconnect; dead ones are still reaped after it.
+        """
+        now = self.clock.now_ms()
+        with self._atomic() as tx:
+            return tx.refresh_active_heartbeats(now)
 
     # -- QUEUE TRUNCATE -----------------------------------------------------------------
 

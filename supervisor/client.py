@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,11 @@ def _retry_safe(method: str, args: list[Any], kwargs: dict[str, Any]) -> bool:
     if method in _ALWAYS_SAFE:
         return True
     if method in _SAFE_BY_ID:
-        return (bool(args) and isinstance(args[0], int)) or kwargs.get("external_id") is not None
+        return (
+            (bool(args) and isinstance(args[0], int))
+            or kwargs.get("external_id") is not None
+            or kwargs.get("consumer") is not None
+        )
     return False
 
 
@@ -317,9 +322,15 @@ class SocketQueueDriver:
         return answer
 
     async def result(
-        self, key: QueueKey, *, external_id: str | None = None
+        self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
     ) -> ResultResponse | None:
-        answer: ResultResponse | None = await self._decoded("result", key, external_id=external_id)
+        if isinstance(key, str) and consumer is None:
+            # A read by path consumes the result: name it, so that re-sending it after a
+            # lost answer gets the same result instead of nothing.
+            consumer = uuid.uuid4().hex
+        answer: ResultResponse | None = await self._decoded(
+            "result", key, external_id=external_id, consumer=consumer
+        )
         return answer
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:

@@ -158,8 +158,12 @@ class QueueServer:
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._signatures: dict[str, inspect.Signature] = {}
 
     async def start(self) -> None:
+        # Coming back after a crash: executors that lived through the outage could not
+        # heartbeat, so give them a full timeout to reconnect before anything is reaped.
+        self.store.refresh_active_heartbeats()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()  # a stale socket of a dead supervisor
@@ -312,8 +316,11 @@ class QueueServer:
                 raise InvalidCommandError(f"unknown command {method!r}")
         if method in _TAKES_PROCESS_ID and "process_id" not in kwargs:
             kwargs["process_id"] = connection.process_id
+        signature = self._signatures.get(method)
+        if signature is None:
+            signature = self._signatures[method] = inspect.signature(getattr(self.store, method))
         try:
-            inspect.signature(getattr(self.store, method)).bind(*args, **kwargs)
+            signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise InvalidCommandError(f"{method}: wrong arguments ({exc})") from None
         return _Request(connection, request_id, method, args, kwargs, rows, received)

@@ -294,6 +294,20 @@ def test_result_by_path_is_consumed_once_by_id_read_many(store: QueueStore) -> N
     assert store.result(qid) is not None
 
 
+def test_a_path_read_named_by_a_consumer_token_can_be_repeated(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    store.ack(qid, payload(r=1))
+    first = store.result(path("a"), consumer="read-1")
+    assert first is not None and first.payload == payload(r=1)
+    # the same read re-sent (its answer was lost) gets the same result...
+    assert store.result(path("a"), consumer="read-1") == first
+    # ...and nobody else does
+    assert store.result(path("a"), consumer="read-2") is None
+    assert store.result(path("a")) is None
+    with pytest.raises(InvalidCommandError, match="consumer"):
+        store.result(path("a"), consumer="")
+
+
 def test_result_by_id_marks_the_path_result_consumed(store: QueueStore) -> None:
     qid = store.add(path("a"), payload()).id
     store.ack(qid, payload(r=1))
@@ -604,3 +618,17 @@ async def test_bad_result_blocking_input(store: QueueStore) -> None:
     with pytest.raises(InvalidCommandError, match="timeout"):
         await store.result_blocking(1, -1)
     assert store.waiters.count() == 0
+
+
+def test_refreshing_heartbeats_after_an_outage_spares_active_items(
+    store: QueueStore, clock: ManualClock
+) -> None:
+    running = store.add(path("running"), payload()).id
+    store.retrieve(running, concurrency=5)
+    store.add(path("waiting"), payload())
+    clock.advance(10_000)  # the store was down: nobody could heartbeat
+    assert store.refresh_active_heartbeats() == 1
+    assert store.stalled(1_000, P) == []
+    clock.advance(1_001)  # and a dead executor is still reaped one timeout later
+    assert store.stalled(1_000, P) == [ToCancelResponse("running", running)]
+    assert [row.status for row in store.list_items(P)] == ["active", "pending"]

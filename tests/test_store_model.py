@@ -114,9 +114,13 @@ class StoresAgree(RuleBasedStateMachine):
     def ack(self, key: Any, result: str | None) -> None:
         self.same("ack", key, result)
 
-    @rule(key=queue_keys, external_id=st.sampled_from(EXTERNAL_IDS))
-    def result(self, key: Any, external_id: str | None) -> None:
-        self.same("result", key, external_id=external_id)
+    @rule(
+        key=queue_keys,
+        external_id=st.sampled_from(EXTERNAL_IDS),
+        consumer=st.sampled_from([None, None, "c1", "c2"]),
+    )
+    def result(self, key: Any, external_id: str | None, consumer: str | None) -> None:
+        self.same("result", key, external_id=external_id, consumer=consumer)
 
     @rule(key=queue_keys)
     def get(self, key: Any) -> None:
