@@ -513,6 +513,8 @@ class QueryQueue:
         except asyncio.CancelledError:
             if execution.cancelled and execution.handler_task.cancelled():
                 raise QueryError("Query was cancelled") from None
+            execution.handler_task.cancel()  # this execution is being stopped (shutdown)
+            await asyncio.gather(execution.handler_task, return_exceptions=True)
             raise
         if inspect.isawaitable(value):
             value = await value
@@ -732,21 +734,28 @@ class QueryQueue:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def shutdown(self) -> bool:
-        """Start nothing new, wait for a reconcile in flight, then stop the executions started
-        here (their items are reclaimed through the stalled path). Returns whether a
-        reconcile was in flight."""
+    async def shutdown(self, grace: float = 30.0) -> bool:
+        """Start nothing new, wait for a reconcile in flight, give the executions running
+        here up to `grace` seconds to finish and ACK, then stop the rest (their items are
+        reclaimed through the stalled path). Returns whether a reconcile was in flight."""
         self._closing = True
         in_flight = self._reconcile_task is not None
+        if self._reconcile_task is not None:
+            await asyncio.gather(self._reconcile_task, return_exceptions=True)
+        if self._background and grace > 0:
+            # Executions may be running other processes' queries: cutting them off would
+            # make those run twice once reclaimed.
+            await asyncio.wait(list(self._background), timeout=grace)
         while self._reconcile_task is not None or self._background:
             if self._reconcile_task is not None:
                 await asyncio.gather(self._reconcile_task, return_exceptions=True)
             for task in list(self._background):
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
-        for execution in list(self._executions.values()):
-            if execution.handler_task is not None:
-                execution.handler_task.cancel()
+        handlers = [e.handler_task for e in self._executions.values() if e.handler_task is not None]
+        for handler in handlers:
+            handler.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
         return in_flight
 
     def _execution_context(self, retrieved: RetrievedQuery) -> dict[str, Any]:

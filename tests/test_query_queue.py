@@ -78,7 +78,7 @@ async def make_queue(shared_driver: QueueDriver) -> AsyncIterator[MakeQueue]:
 
     yield make
     for queue in made:
-        await queue.shutdown()
+        await queue.shutdown(grace=0)  # stop whatever a test left running, at once
 
 
 class Recorder:
@@ -678,3 +678,29 @@ def test_sync_face(tmp_path: Path) -> None:
         with pytest.raises(InvalidCommandError):
             q.execute_in_queue("sql", "k", 1, -20000)
     assert executed == [21, 1]
+
+
+async def test_shutdown_lets_running_queries_finish_within_grace(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated})
+    caller = asyncio.create_task(queue.execute_in_queue("sql", "k", "k"))
+    await wait_until(lambda: rec.running == 1)
+    closing = asyncio.create_task(queue.shutdown(grace=30))
+    await wait_until(lambda: queue._closing)
+    assert not closing.done()
+    rec.gate.set()
+    await asyncio.wait_for(closing, 10)
+    assert await caller == {"echo": "k"}  # it finished and acked
+    assert await _items(queue) == []
+
+
+async def test_shutdown_stops_what_outlives_the_grace(make_queue: MakeQueue, rec: Recorder) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated})
+    caller = asyncio.create_task(queue.execute_in_queue("sql", "k", "k"))
+    await wait_until(lambda: rec.running == 1)
+    await asyncio.wait_for(queue.shutdown(grace=0.1), 10)
+    assert rec.running == 0
+    assert await _statuses(queue) == ["active"]  # left for the stalled path to reclaim
+    caller.cancel()
+    await asyncio.gather(caller, return_exceptions=True)
