@@ -727,10 +727,14 @@ class QueryQueue:
         stream = self.streams.get(query_key_hash)
         if stream is not None:
             return stream
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self.continue_wait_timeout * 10)
-        except TimeoutError:
-            raise ContinueWaitError() from None
+        # Only this process may retrieve its stream item, and other processes' ACKs do not
+        # reconcile on its behalf: look again every long-poll period while waiting.
+        for _ in range(10):
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter), self.continue_wait_timeout)
+            except TimeoutError:
+                await self.reconcile_queue()
+        raise ContinueWaitError()
 
     # -- lifecycle ----------------------------------------------------------------------------
 

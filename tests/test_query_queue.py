@@ -209,6 +209,10 @@ async def _statuses(queue: QueryQueue) -> list[str]:
     return [row.status for row in await _items(queue)]
 
 
+async def _has_statuses(queue: QueryQueue, statuses: list[str]) -> bool:
+    return await _statuses(queue) == statuses
+
+
 async def _waiting(queue: QueryQueue, count: int) -> bool:
     return bool((await queue.driver.stats())["waiters"] == count)
 
@@ -704,3 +708,21 @@ async def test_shutdown_stops_what_outlives_the_grace(make_queue: MakeQueue, rec
     assert await _statuses(queue) == ["active"]  # left for the stalled path to reclaim
     caller.cancel()
     await asyncio.gather(caller, return_exceptions=True)
+
+
+async def test_a_waiting_stream_owner_retrieves_its_item_once_a_slot_frees(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    async def stream_handler(query: Any, stream: QueryStream) -> None:
+        await stream.write("row")
+
+    other = make_queue(query_handlers={"sql": rec.gated}, concurrency=1)
+    owner = make_queue(stream_handler=stream_handler, concurrency=1, continue_wait_timeout=0.2)
+    busy = asyncio.create_task(other.execute_in_queue("sql", "busy", "busy"))
+    await wait_until(lambda: rec.running == 1)
+    waiting = asyncio.create_task(owner.execute_in_queue("stream", "mine", {}))
+    await wait_until(lambda: _has_statuses(owner, ["active", "pending"]))  # no slot: it waits
+    rec.gate.set()
+    await busy  # the other process's ACK and reconcile cannot take the owner's item...
+    stream = await asyncio.wait_for(waiting, 10)  # ...the owner, still waiting, does
+    assert await stream.rows() == ["row"]
