@@ -231,7 +231,13 @@ class MemoryTransaction:
         self.undo.append(lambda: self.insert_result(before))
 
     def purge_expired_results(self, now: int, limit: int) -> int:
-        expired = [r for r in self._s.results.values() if r.expire <= now][:limit]
+        # Insertion order is expiry order (one TTL), so the expired ones lead: stop at the
+        # first live one instead of scanning every result.
+        expired: list[StoredResult] = []
+        for result in self._s.results.values():
+            if result.expire > now or len(expired) >= limit:
+                break
+            expired.append(result)
         for result in expired:
             self.delete_result(result.id)
         return len(expired)
