@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from engine import events as ev
+from engine.aio import wait_within
 from engine.clock import Clock, SystemClock
 from engine.connection import QueryDef, QueueConnection
 from engine.driver import LocalQueueDriver, QueueDriver
@@ -51,6 +52,7 @@ class _Execution:
     cancel_handler: Any = None
     cancelled: bool = False  # cancelled from outside: the handler's end is not an error of its own
     external_cancel_fired: bool = False
+    finished: bool = False  # the handler is done: the heartbeat loop must end
     handler_task: asyncio.Future[Any] | None = None
     side_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -432,6 +434,7 @@ class QueryQueue:
                             {**current, "cancelHandler": execution.cancel_handler}, queue_id
                         )
             finally:
+                execution.finished = True
                 heartbeat.cancel()
                 await asyncio.gather(heartbeat, *execution.side_tasks, return_exceptions=True)
             if not await conn.set_result_and_remove_query(query_key_hash, result, queue_id):
@@ -502,9 +505,7 @@ class QueryQueue:
                 asyncio.to_thread(handler, query.get("query"), set_cancel_handler)
             )
         try:
-            value = await asyncio.wait_for(
-                asyncio.shield(execution.handler_task), self.execution_timeout
-            )
+            value = await wait_within(execution.handler_task, self.execution_timeout)
         except TimeoutError:
             execution.handler_task.cancel()
             raise QueryTimeoutError(
@@ -541,6 +542,8 @@ class QueryQueue:
         last_logged = time.monotonic()
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            if execution.finished:  # ends even if a cancellation went astray
+                return
             if time.monotonic() - last_logged >= HEARTBEAT_LOG_INTERVAL:
                 last_logged = time.monotonic()
                 self.events.emit(ev.HEARTBEAT, context)
@@ -731,7 +734,7 @@ class QueryQueue:
         # reconcile on its behalf: look again every long-poll period while waiting.
         for _ in range(10):
             try:
-                return await asyncio.wait_for(asyncio.shield(waiter), self.continue_wait_timeout)
+                return await wait_within(waiter, self.continue_wait_timeout)
             except TimeoutError:
                 await self.reconcile_queue()
         raise ContinueWaitError()

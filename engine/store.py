@@ -25,7 +25,6 @@ anything is written.
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -35,6 +34,7 @@ from typing import Any, Protocol
 import orjson
 
 from engine import validation as v
+from engine.aio import wait_within
 from engine.clock import Clock, SystemClock
 from engine.errors import ExclusiveAccessError, ExternalIdConflictError, InvalidCommandError
 from engine.responses import (
@@ -498,7 +498,7 @@ class QueueStore(ABC):
             if found is not None:
                 return found
             try:
-                event = await asyncio.wait_for(asyncio.shield(waiter.future), timeout_ms / 1000)
+                event = await wait_within(waiter.future, timeout_ms / 1000)
             except TimeoutError:
                 return None
         finally:

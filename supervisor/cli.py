@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     _socket_option(sup)
     sup.add_argument("--synchronous", choices=["NORMAL", "FULL"], default="NORMAL")
     sup.add_argument("--tcp-port", type=int, default=None, help="also listen on 127.0.0.1:PORT")
+    sup.add_argument(
+        "--app", default=None, help="pkg.module:app, the QueueApp whose handlers workers run"
+    )
+    sup.add_argument("--workers", type=int, default=0, help="worker processes (with --app)")
 
     status = commands.add_parser(
         "status", help="per prefix: pending, active, oldest age; commands/s"
@@ -51,7 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "supervisor":
             from supervisor.process import run
 
-            return run(args.db, socket_path, synchronous=args.synchronous, tcp_port=args.tcp_port)
+            if (args.app is None) != (args.workers == 0):
+                parser.error("--app and --workers go together")
+            return run(
+                args.db,
+                socket_path,
+                synchronous=args.synchronous,
+                tcp_port=args.tcp_port,
+                app=args.app,
+                workers=args.workers,
+            )
         if args.command == "status":
             return asyncio.run(_status(socket_path))
         if args.command == "sql":

@@ -12,6 +12,7 @@ reused); otherwise the caller gets `SupervisorUnavailableError`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import os
@@ -19,8 +20,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import dill
 import orjson
 
+from engine.aio import wait_within
 from engine.errors import CommandTimeoutError, SupervisorUnavailableError
 from engine.responses import (
     AckResponse,
@@ -33,6 +36,7 @@ from engine.responses import (
     RetrieveResponse,
     ToCancelResponse,
 )
+from engine.retrieved import RetrievedQuery
 from supervisor.paths import default_socket_path
 from supervisor.protocol import (
     DECODERS,
@@ -200,7 +204,7 @@ class SocketQueueDriver:
             link.pending.pop(request_id, None)
             raise _ConnectionLost() from None
         try:
-            return await asyncio.wait_for(asyncio.shield(future), answer_within)
+            return await wait_within(future, answer_within)
         except TimeoutError:
             link.pending.pop(request_id, None)
             raise CommandTimeoutError(
@@ -236,6 +240,16 @@ class SocketQueueDriver:
             raise_error(reply["error"])
         rows: list[dict[str, Any]] = reply.get("rows", [])
         return rows
+
+    async def dispatch(self, retrieved: RetrievedQuery) -> None:
+        """Hand a retrieved query to the supervisor's worker pool; returns once accepted.
+
+        Pickled with dill (multiprocess's pickler), so closures and lambdas in the query
+        survive. Not re-sent after a lost answer: the item is active either way, and the
+        stalled path reclaims it if the hand-off never arrived.
+        """
+        blob = dill.dumps(retrieved)
+        await self.call("dispatch", retrieved.queue_id, base64.b64encode(blob).decode("ascii"))
 
     async def stats(self) -> dict[str, Any]:
         answer: dict[str, Any] = await self.call("stats")

@@ -1,4 +1,4 @@
-"""Running the supervisor: the store, the server, signals, and a clean exit."""
+"""Running the supervisor: the store, the server, the worker pool, signals, a clean exit."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 from driver_sqlite.store import SqliteQueueStore, Synchronous
+from supervisor.pool import WorkerPool
 from supervisor.server import QueueServer
 
 
@@ -16,16 +17,20 @@ async def serve(
     *,
     synchronous: Synchronous = "NORMAL",
     tcp_port: int | None = None,
+    app: str | None = None,
+    workers: int = 0,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully."""
     store = SqliteQueueStore(db, synchronous=synchronous)
+    pool = WorkerPool(app, socket_path, store, workers=workers) if app and workers > 0 else None
     server = QueueServer(
         store,
         socket_path,
         tcp_host="127.0.0.1" if tcp_port is not None else None,
         tcp_port=tcp_port,
+        pool=pool,
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -33,6 +38,8 @@ async def serve(
         loop.add_signal_handler(signum, stop.set)  # the handler only sets a flag
     try:
         await server.start()
+        if pool is not None:
+            await pool.start()
         print(f"queryqueue supervisor listening on {server.socket_path}", flush=True)
         if server.tcp_address is not None:
             print(f"queryqueue supervisor listening on tcp {server.tcp_address}", flush=True)
@@ -42,6 +49,8 @@ async def serve(
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        if pool is not None:
+            await pool.stop()
         await server.stop()
         store.close()
 
@@ -52,6 +61,10 @@ def run(
     *,
     synchronous: Synchronous = "NORMAL",
     tcp_port: int | None = None,
+    app: str | None = None,
+    workers: int = 0,
 ) -> int:
-    asyncio.run(serve(db, socket_path, synchronous=synchronous, tcp_port=tcp_port))
+    asyncio.run(
+        serve(db, socket_path, synchronous=synchronous, tcp_port=tcp_port, app=app, workers=workers)
+    )
     return 0

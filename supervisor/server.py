@@ -10,6 +10,7 @@ by the ACK that completes the item (or answered empty at its timeout): nothing p
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
 import os
@@ -25,6 +26,7 @@ import orjson
 from engine.errors import InvalidCommandError, QueueError, StoreError
 from engine.store import QueueStore
 from supervisor import sqltext
+from supervisor.pool import WorkerPool
 from supervisor.protocol import (
     DEFAULT_MAX_FRAME,
     FrameError,
@@ -142,6 +144,7 @@ class QueueServer:
         tcp_port: int | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         max_batch: int = 512,
+        pool: WorkerPool | None = None,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
@@ -152,6 +155,7 @@ class QueueServer:
         self.max_frame = max_frame
         self.max_batch = max_batch
         self.stats = Stats()
+        self.pool = pool
         self._servers: list[asyncio.Server] = []
         self._inbox: asyncio.Queue[_Request] = asyncio.Queue()
         self._executor: asyncio.Task[None] | None = None
@@ -312,6 +316,10 @@ class QueueServer:
             if method == "stats":
                 connection.send({"id": request_id, "ok": self.describe()})
                 return None
+            if method == "dispatch":
+                self._dispatch(args)
+                connection.send({"id": request_id, "ok": True})
+                return None
             if method not in COMMANDS:
                 raise InvalidCommandError(f"unknown command {method!r}")
         if method in _TAKES_PROCESS_ID and "process_id" not in kwargs:
@@ -325,8 +333,28 @@ class QueueServer:
             raise InvalidCommandError(f"{method}: wrong arguments ({exc})") from None
         return _Request(connection, request_id, method, args, kwargs, rows, received)
 
+    def _dispatch(self, args: list[Any]) -> None:
+        if self.pool is None:
+            raise InvalidCommandError(
+                "dispatch: this supervisor has no worker pool (start it with --app and --workers)"
+            )
+        if len(args) != 2 or not isinstance(args[0], int) or not isinstance(args[1], str):
+            raise InvalidCommandError(
+                "dispatch: takes a queue id and a base64 pickled RetrievedQuery"
+            )
+        try:
+            blob = base64.b64decode(args[1].encode("ascii"), validate=True)
+        except (ValueError, UnicodeEncodeError):
+            raise InvalidCommandError("dispatch: the hand-off is not base64") from None
+        try:
+            self.pool.submit(args[0], blob)
+        except RuntimeError as exc:
+            raise InvalidCommandError(f"dispatch: {exc}") from None
+
     def describe(self) -> dict[str, Any]:
+        pool = {"pool": self.pool.describe()} if self.pool is not None else {}
         return {
+            **pool,
             **self.stats.snapshot(),
             **self.store.describe(),
             "connections": len(self._connections),

@@ -1,0 +1,22 @@
+"""Small asyncio helpers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def wait_within(future: asyncio.Future[T], seconds: float | None) -> T:
+    """The future's result if it is done within `seconds`, else TimeoutError.
+
+    The future is left running on timeout (no cancellation), and — unlike
+    `asyncio.wait_for` on Python 3.11 — a cancellation of the caller that coincides with
+    the future completing is never swallowed: a starved event loop that wakes to both at
+    once made a cancelled heartbeat loop run forever.
+    """
+    done, _ = await asyncio.wait({future}, timeout=seconds)
+    if not done:
+        raise TimeoutError
+    return future.result()

@@ -1,0 +1,295 @@
+"""The worker pool: processes that execute retrieved queries handed to the supervisor.
+
+The supervisor owns the store, so it also watches the executions it handed out:
+
+* a hand-off is accepted into a backlog and given to the next idle worker;
+* every item held by a live worker, or waiting in the backlog, is heartbeaten by the
+  supervisor itself, so a worker stuck in C code that holds the GIL is never declared
+  stalled while its process is alive;
+* a worker that dies is replaced at once and the item it held is reclaimed at once
+  through the store (CANCEL, then the app's cancel handler), not a heartbeat timeout
+  later: waiting callers get ContinueWaitError and, on retry, a fresh execution.
+
+Workers are `multiprocess` processes (dill pickling: closures and lambdas survive); each
+runs `QueryQueue.execute_query` with its own connection to the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import inspect
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+import orjson
+
+from engine.responses import QueueId
+from engine.store import QueueStore
+
+_log = logging.getLogger("supervisor.pool")
+
+
+@dataclass(eq=False)
+class _Job:
+    queue_id: QueueId
+    blob: bytes
+
+
+@dataclass(eq=False)
+class _Worker:
+    process: Any
+    conn: Any  # the supervisor's end of the worker's pipe
+    job: _Job | None = None
+    executed: int = 0
+    watchers: list[int] = field(default_factory=list)
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        app_ref: str,
+        socket_path: str | Path,
+        store: QueueStore,
+        *,
+        workers: int = 2,
+        heartbeat_interval: float = 5.0,
+        max_tasks_per_worker: int | None = None,
+    ) -> None:
+        if workers < 1:
+            raise ValueError("a pool needs at least one worker")
+        self.app_ref = app_ref
+        self.socket_path = str(socket_path)
+        self.store = store
+        self.size = workers
+        self.heartbeat_interval = heartbeat_interval
+        self.max_tasks_per_worker = max_tasks_per_worker
+        self._context = multiprocess.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._backlog: deque[_Job] = deque()
+        self._heartbeats: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.replaced = 0
+        self._cancelling: set[asyncio.Task[None]] = set()
+        self.reclaimed: list[QueueId] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from supervisor.app import load_app
+
+        # Beat as often as the app's executors would, so no held item ever looks stalled.
+        options = load_app(self.app_ref).queue_options
+        self.heartbeat_interval = min(
+            self.heartbeat_interval, float(options.get("heartbeat_interval", 30.0))
+        )
+        for _ in range(self.size):
+            self._spawn()
+        self._heartbeats = asyncio.ensure_future(self._heartbeat_forever())
+
+    async def stop(self, grace: float = 5.0) -> None:
+        self._stopping = True
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            await asyncio.gather(self._heartbeats, return_exceptions=True)
+        for worker in self._workers:
+            self._unwatch(worker)
+            with contextlib.suppress(OSError, ValueError):
+                worker.conn.send_bytes(b"")  # asks the worker to finish and exit
+        loop = asyncio.get_running_loop()
+        for worker in self._workers:
+            await loop.run_in_executor(None, worker.process.join, grace)
+            if worker.process.is_alive():
+                worker.process.kill()
+                await loop.run_in_executor(None, worker.process.join, grace)
+            worker.conn.close()
+        self._workers.clear()
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "workers": [
+                {"pid": w.process.pid, "busy": w.job is not None, "executed": w.executed}
+                for w in self._workers
+            ],
+            "backlog": len(self._backlog),
+            "replaced": self.replaced,
+            "reclaimed": len(self.reclaimed),
+        }
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=worker_main, args=(self.app_ref, self.socket_path, child), daemon=True
+        )
+        process.start()
+        child.close()
+        worker = _Worker(process, parent)
+        self._workers.append(worker)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(parent.fileno(), self._on_message, worker)
+        loop.add_reader(process.sentinel, self._on_exit, worker)
+        worker.watchers = [parent.fileno(), process.sentinel]
+        return worker
+
+    def _unwatch(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in worker.watchers:
+            loop.remove_reader(fd)
+        worker.watchers = []
+
+    # -- hand-offs --------------------------------------------------------------------------
+
+    def submit(self, queue_id: QueueId, blob: bytes) -> None:
+        """Accept a hand-off: it runs on the next idle worker."""
+        if self._stopping:
+            raise RuntimeError("the worker pool is stopping")
+        self._backlog.append(_Job(queue_id, blob))
+        self._assign()
+
+    def _assign(self) -> None:
+        for worker in self._workers:
+            if not self._backlog:
+                return
+            if worker.job is None and worker.process.is_alive():
+                job = self._backlog.popleft()
+                worker.job = job
+                try:
+                    worker.conn.send_bytes(job.blob)
+                except (OSError, ValueError):
+                    self._backlog.appendleft(job)  # the worker died: its exit handler runs next
+                    worker.job = None
+
+    def _on_message(self, worker: _Worker) -> None:
+        try:
+            message = worker.conn.recv_bytes()
+        except (EOFError, OSError):
+            self._unwatch(worker)  # the exit handler takes it from here
+            asyncio.get_running_loop().add_reader(worker.process.sentinel, self._on_exit, worker)
+            return
+        if message == b"done":
+            worker.job = None
+            worker.executed += 1
+            if self.max_tasks_per_worker and worker.executed >= self.max_tasks_per_worker:
+                self._retire(worker)
+        self._assign()
+
+    def _retire(self, worker: _Worker) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            worker.conn.send_bytes(b"")
+
+    def _on_exit(self, worker: _Worker) -> None:
+        self._unwatch(worker)
+        with contextlib.suppress(ValueError):
+            self._workers.remove(worker)
+        worker.process.join(0)
+        with contextlib.suppress(OSError):
+            worker.conn.close()
+        if worker.job is not None:
+            self._reclaim(worker.job)
+        if not self._stopping:
+            self.replaced += 1
+            self._spawn()
+            self._assign()
+
+    def _reclaim(self, job: _Job) -> None:
+        """The worker died holding `job`: take the item out at once and call its cancel path."""
+        removed = self.store.cancel(job.queue_id)
+        self.reclaimed.append(job.queue_id)
+        if removed is None:
+            return
+        _log.warning("worker died: reclaimed queue item %s", job.queue_id)
+        definition = orjson.loads(removed.payload)
+        if removed.extra:
+            with contextlib.suppress(ValueError):
+                definition.update(orjson.loads(removed.extra))
+        task = asyncio.ensure_future(_call_cancel_handler(self.app_ref, definition))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            held = [
+                w.job.queue_id for w in self._workers if w.job is not None and w.process.is_alive()
+            ]
+            for queue_id in held + [job.queue_id for job in self._backlog]:
+                try:
+                    self.store.heartbeat(queue_id)
+                except Exception:  # a failing heartbeat must not stop the others
+                    _log.exception("heartbeat of queue item %s failed", queue_id)
+
+
+async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None:
+    from supervisor.app import load_app
+
+    try:
+        app = load_app(app_ref)
+        cancel = app.cancel_handlers.get(str(definition.get("queryHandler")))
+        if cancel is not None:
+            outcome = cancel(definition)
+            if inspect.isawaitable(outcome):
+                await outcome
+    except Exception:
+        _log.exception("cancel handler of a reclaimed query failed")
+
+
+def encode_hand_off(blob: bytes) -> str:
+    return base64.b64encode(blob).decode("ascii")
+
+
+def decode_hand_off(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+# -- the worker process ----------------------------------------------------------------------
+
+
+def worker_main(app_ref: str, socket_path: str, conn: Any) -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <worker>` prints where it is
+    logging.basicConfig(level=logging.WARNING, format=f"worker {os.getpid()}: %(message)s")
+    asyncio.run(_worker_loop(app_ref, socket_path, conn))
+
+
+async def _worker_loop(app_ref: str, socket_path: str, conn: Any) -> None:
+    import dill
+
+    from supervisor.app import PoolDispatch, load_app
+    from supervisor.client import SocketQueueDriver
+
+    app = load_app(app_ref)
+    driver = SocketQueueDriver(socket_path)
+    queue = app.make_queue(driver)
+    queue.send_process_message_fn = PoolDispatch(driver, app)
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def readable() -> None:
+        try:
+            arrived.put_nowait(conn.recv_bytes())
+        except (EOFError, OSError):
+            arrived.put_nowait(b"")
+
+    loop.add_reader(conn.fileno(), readable)
+    try:
+        while True:
+            blob = await arrived.get()
+            if not blob:
+                break
+            await queue.execute_query(dill.loads(blob))
+            conn.send_bytes(b"done")
+    finally:
+        loop.remove_reader(conn.fileno())
+        await queue.shutdown(grace=0)
+        await driver.close()

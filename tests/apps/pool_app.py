@@ -1,0 +1,47 @@
+"""A QueueApp for the worker-pool tests: handlers that leave a trace of where and when
+they ran, in the file named by $POOL_TRACE."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from engine.stream import QueryStream
+from supervisor.app import QueueApp
+
+app = QueueApp("pool", concurrency=2, continue_wait_timeout=1.0, heartbeat_interval=0.25)
+
+
+def _trace(*fields: object) -> None:
+    with open(os.environ["POOL_TRACE"], "a") as out:
+        out.write(" ".join(str(f) for f in fields) + "\n")
+
+
+@app.handler("sql")
+def run(query: Any, set_cancel_handler: Any) -> Any:
+    set_cancel_handler({"pid": os.getpid()})
+    _trace("start", query["key"], os.getpid(), time.monotonic())
+    time.sleep(query.get("seconds", 0.05))
+    _trace("end", query["key"], os.getpid(), time.monotonic())
+    return {"key": query["key"], "pid": os.getpid()}
+
+
+@app.cancel_handler("sql")
+def cancel(definition: dict[str, Any]) -> None:
+    _trace("cancel", definition["query"]["key"], os.getpid(), time.monotonic())
+
+
+@app.stream
+async def stream(query: Any, rows: QueryStream) -> None:
+    for i in range(query["rows"]):
+        await rows.write({"i": i, "pid": os.getpid()})
+
+
+@app.handler("gil")
+def hold_the_gil(query: Any, set_cancel_handler: Any) -> float:
+    started = time.monotonic()
+    _trace("gil-start", "gil", os.getpid(), started)
+    sum(range(query["n"]))  # one long C call: this worker's own heartbeat cannot run
+    _trace("gil-end", "gil", os.getpid(), time.monotonic())
+    return time.monotonic() - started

@@ -1,0 +1,257 @@
+"""End to end: a supervisor with a worker pool, and request processes that submit to it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from driver_sqlite.store import SqliteQueueStore
+from supervisor.client import SocketQueueDriver
+from tests.supervisor_util import REPO, SupervisorProcess, socket_dir, start_supervisor
+from tests.waiting import wait_until_sync
+
+APP = "tests.apps.pool_app:app"
+
+REQUESTS = textwrap.dedent(
+    """
+    import asyncio, json, os, sys, time
+    from pathlib import Path
+    from engine.errors import QueueError
+    from tests.apps.pool_app import app
+
+    go, keys = Path(sys.argv[1]), sys.argv[2].split(",")
+    seconds = float(sys.argv[3])
+
+    async def ask(key):
+        while True:
+            try:
+                return await app.execute_in_queue("sql", key, {"key": key, "seconds": seconds})
+            except QueueError:  # continue wait: ask again
+                pass
+
+    async def main():
+        print("ready", flush=True)
+        while not go.exists():
+            await asyncio.sleep(0.005)
+        results = await asyncio.gather(*(ask(key) for key in keys))
+        stream = await app.execute_in_queue("stream", "rows", {"rows": 3})
+        rows = await stream.rows()
+        ran_in = sorted({r["pid"] for r in results})
+        print("pids", json.dumps([os.getpid(), ran_in, sorted({r["pid"] for r in rows})]))
+        print("results", ",".join(r["key"] for r in results), flush=True)
+        queue = app.client_queue()
+        await queue.shutdown()
+        await queue.driver.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    directory = socket_dir()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def pool(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SupervisorProcess]:
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    process = start_supervisor(
+        workdir / "queue.db", workdir / "s.sock", "--app", APP, "--workers", "3"
+    )
+    try:
+        yield process
+    finally:
+        assert process.stop() == 0
+
+
+def _env(workdir: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "QUERYQUEUE_SOCKET": str(workdir / "s.sock"),
+        "POOL_TRACE": str(workdir / "trace"),
+    }
+
+
+def _trace(workdir: Path) -> list[list[str]]:
+    path = workdir / "trace"
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _pool(supervisor: SupervisorProcess) -> dict[str, Any]:
+    async def ask() -> dict[str, Any]:
+        driver = SocketQueueDriver(supervisor.socket_path)
+        try:
+            return dict((await driver.stats())["pool"])
+        finally:
+            await driver.close()
+
+    return asyncio.run(ask())
+
+
+def _worker_pids(supervisor: SupervisorProcess) -> list[int]:
+    return [worker["pid"] for worker in _pool(supervisor)["workers"]]
+
+
+def test_requests_from_many_processes_run_once_in_the_pool_within_concurrency(
+    pool: SupervisorProcess, workdir: Path
+) -> None:
+    keys = [f"k{i}" for i in range(6)]
+    go = workdir / "go"
+    clients = [
+        subprocess.Popen(
+            [sys.executable, "-c", REQUESTS, str(go), ",".join(keys), "0.3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(workdir),
+            cwd=REPO,
+        )
+        for _ in range(3)
+    ]
+    try:
+        for client in clients:
+            assert client.stdout is not None and client.stdout.readline().strip() == "ready"
+        go.touch()  # everyone submits the same six queries at once
+        outputs = [client.communicate(timeout=120) for client in clients]
+    finally:
+        for client in clients:
+            if client.poll() is None:
+                client.kill()
+                client.wait(timeout=20)
+    workers = set(_worker_pids(pool))
+    for client, (out, err) in zip(clients, outputs, strict=True):
+        assert client.returncode == 0, err[-3000:]
+        lines = dict(line.split(" ", 1) for line in out.splitlines())
+        assert lines["results"] == ",".join(keys)
+        pid, ran_in, streamed_in = orjson.loads(lines["pids"])
+        assert set(ran_in) <= workers  # queries ran in the pool...
+        assert streamed_in == [pid]  # ...the stream in the process that asked
+    trace = _trace(workdir)
+    starts = [t for t in trace if t[0] == "start"]
+    assert sorted(t[1] for t in starts) == keys  # one execution per key for all 18 requests
+    assert _max_overlap(trace) == 2  # concurrency 2, although the pool has 3 workers
+
+
+def _max_overlap(trace: list[list[str]]) -> int:
+    edges = sorted(
+        (float(t[3]), 1 if t[0] == "start" else -1) for t in trace if t[0] in ("start", "end")
+    )
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def test_a_killed_worker_is_replaced_and_its_item_reclaimed_at_once(
+    pool: SupervisorProcess, workdir: Path
+) -> None:
+    go = workdir / "go"
+    go.touch()
+    client = subprocess.Popen(
+        [sys.executable, "-c", REQUESTS, str(go), "slow", "30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(workdir),
+        cwd=REPO,
+    )
+    try:
+        wait_until_sync(
+            lambda: any(t[0] == "start" for t in _trace(workdir)), within=60, what="query running"
+        )
+        victim = int(next(t for t in _trace(workdir) if t[0] == "start")[2])
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        # reclaimed through the store at once, not a heartbeat timeout later
+        wait_until_sync(
+            lambda: any(t[0] == "cancel" for t in _trace(workdir)), within=10, what="reclaim"
+        )
+        reclaimed_in = time.monotonic() - killed_at
+        assert reclaimed_in < 2.0
+        wait_until_sync(lambda: _pool(pool)["replaced"] == 1, within=30, what="worker replaced")
+        assert len(_worker_pids(pool)) == 3 and victim not in _worker_pids(pool)
+        # the caller's retry runs it afresh (in another worker) and gets a result
+        wait_until_sync(lambda: sum(t[0] == "start" for t in _trace(workdir)) == 2, within=60)
+        second = [t for t in _trace(workdir) if t[0] == "start"][1]
+        assert int(second[2]) != victim
+        client.send_signal(signal.SIGTERM)
+    finally:
+        if client.poll() is None:
+            client.kill()
+        client.communicate(timeout=20)  # reaps it and closes its pipes
+
+
+def test_a_worker_holding_the_gil_is_not_reaped_while_alive(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = start_supervisor(
+        workdir / "queue.db", workdir / "s.sock", "--app", APP, "--workers", "2"
+    )
+    try:
+        gil = subprocess.run(
+            [sys.executable, "-c", GIL_CLIENT],
+            capture_output=True,
+            text=True,
+            env=_env(workdir),
+            cwd=REPO,
+            timeout=100,
+        )
+        assert gil.returncode == 0, gil.stderr[-3000:]
+        held, beats = gil.stdout.split()
+        assert float(held) > 1.0  # longer than the 1 s heartbeat timeout (4 x 0.25 s)
+        assert int(beats) > 3  # other queries kept reconciling meanwhile
+        assert not [t for t in _trace(workdir) if t[0] == "cancel"]
+    finally:
+        assert supervisor.stop() == 0
+    store = SqliteQueueStore(workdir / "queue.db")
+    try:
+        assert store.list_items("pool") == []
+    finally:
+        store.close()
+
+
+GIL_CLIENT = textwrap.dedent(
+    """
+    import asyncio, time
+    from engine.errors import QueueError
+    from tests.apps.pool_app import app
+
+    async def main():
+        queue = app.client_queue()
+        long = asyncio.ensure_future(ask("gil", "gil-key", {"n": 6 * 10**7}))
+        beats = 0
+        while not long.done():  # keep reconciling: a stale heartbeat would be reaped now
+            await ask("sql", f"beat-{beats}", {"key": f"beat-{beats}", "seconds": 0.01})
+            beats += 1
+        print(await long, beats)
+        await queue.shutdown()
+        await queue.driver.close()
+
+    async def ask(handler, key, query):
+        while True:
+            try:
+                return await app.execute_in_queue(handler, key, query)
+            except QueueError:
+                pass
+
+    asyncio.run(main())
+    """
+)
