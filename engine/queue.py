@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -127,6 +128,9 @@ class QueryQueue:
         self._executions: dict[QueueId, _Execution] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self._threads_lock = threading.Lock()
+        self._threads_done = threading.Condition(self._threads_lock)
+        self._handler_threads = 0
 
     # -- request side --------------------------------------------------------------------
 
@@ -502,7 +506,7 @@ class QueryQueue:
         else:
             # A sync handler runs in a thread so this loop keeps heartbeating.
             execution.handler_task = asyncio.ensure_future(
-                asyncio.to_thread(handler, query.get("query"), set_cancel_handler)
+                asyncio.to_thread(self._in_thread, handler, query.get("query"), set_cancel_handler)
             )
         try:
             value = await wait_within(execution.handler_task, self.execution_timeout)
@@ -524,6 +528,31 @@ class QueryQueue:
         except TypeError as exc:
             raise QueryError(f"query result is not JSON serializable: {exc}") from None
         return {"result": value}
+
+    def _in_thread(
+        self, handler: QueryHandler, query: Any, set_cancel_handler: SetCancelHandler
+    ) -> Any:
+        with self._threads_lock:
+            self._handler_threads += 1
+        try:
+            return handler(query, set_cancel_handler)
+        finally:
+            with self._threads_lock:
+                self._handler_threads -= 1
+                if not self._handler_threads:
+                    self._threads_done.notify_all()
+
+    def wait_for_handler_threads(self, timeout: float | None = None) -> bool:
+        """Block until no sync handler runs in a thread; False on timeout."""
+        with self._threads_done:
+            return self._threads_done.wait_for(lambda: not self._handler_threads, timeout)
+
+    @property
+    def handler_threads(self) -> int:
+        """Sync handlers still running in threads — including ones whose execution was
+        cancelled or timed out, which Python cannot stop (a worker process can be)."""
+        with self._threads_lock:
+            return self._handler_threads
 
     async def _record_cancel_handler(self, execution: _Execution, value: Any) -> None:
         retrieved = execution.retrieved

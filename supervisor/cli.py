@@ -39,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         "--app", default=None, help="pkg.module:app, the QueueApp whose handlers workers run"
     )
     sup.add_argument("--workers", type=int, default=0, help="worker processes (with --app)")
+    sup.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=10.0,
+        help="seconds a worker may keep running a cancelled query before it is terminated",
+    )
 
     status = commands.add_parser(
         "status", help="per prefix: pending, active, oldest age; commands/s"
@@ -64,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 tcp_port=args.tcp_port,
                 app=args.app,
                 workers=args.workers,
+                cancel_grace=args.cancel_grace,
             )
         if args.command == "status":
             return asyncio.run(_status(socket_path))

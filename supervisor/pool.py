@@ -40,6 +40,8 @@ _log = logging.getLogger("supervisor.pool")
 class _Job:
     queue_id: QueueId
     blob: bytes
+    removed_at: float | None = None  # when the supervisor saw the item gone from the queue
+    abandoned: bool = False
 
 
 @dataclass(eq=False)
@@ -49,6 +51,7 @@ class _Worker:
     job: _Job | None = None
     executed: int = 0
     watchers: list[int] = field(default_factory=list)
+    draining_since: float | None = None  # ran out of its query but a thread still runs it
 
 
 class WorkerPool:
@@ -61,6 +64,7 @@ class WorkerPool:
         workers: int = 2,
         heartbeat_interval: float = 5.0,
         max_tasks_per_worker: int | None = None,
+        cancel_grace: float = 10.0,
     ) -> None:
         if workers < 1:
             raise ValueError("a pool needs at least one worker")
@@ -70,6 +74,8 @@ class WorkerPool:
         self.size = workers
         self.heartbeat_interval = heartbeat_interval
         self.max_tasks_per_worker = max_tasks_per_worker
+        self.cancel_grace = cancel_grace
+        self.terminated = 0
         self._context = multiprocess.get_context("spawn")
         self._workers: list[_Worker] = []
         self._backlog: deque[_Job] = deque()
@@ -122,6 +128,7 @@ class WorkerPool:
             ],
             "backlog": len(self._backlog),
             "replaced": self.replaced,
+            "terminated": self.terminated,
             "reclaimed": len(self.reclaimed),
         }
 
@@ -159,7 +166,7 @@ class WorkerPool:
         for worker in self._workers:
             if not self._backlog:
                 return
-            if worker.job is None and worker.process.is_alive():
+            if worker.job is None and worker.draining_since is None and worker.process.is_alive():
                 job = self._backlog.popleft()
                 worker.job = job
                 try:
@@ -175,8 +182,13 @@ class WorkerPool:
             self._unwatch(worker)  # the exit handler takes it from here
             asyncio.get_running_loop().add_reader(worker.process.sentinel, self._on_exit, worker)
             return
+        if message == b"draining":
+            worker.job = None
+            worker.draining_since = asyncio.get_running_loop().time()
+            return
         if message == b"done":
             worker.job = None
+            worker.draining_since = None
             worker.executed += 1
             if self.max_tasks_per_worker and worker.executed >= self.max_tasks_per_worker:
                 self._retire(worker)
@@ -218,14 +230,51 @@ class WorkerPool:
     async def _heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            held = [
-                w.job.queue_id for w in self._workers if w.job is not None and w.process.is_alive()
-            ]
-            for queue_id in held + [job.queue_id for job in self._backlog]:
-                try:
-                    self.store.heartbeat(queue_id)
-                except Exception:  # a failing heartbeat must not stop the others
-                    _log.exception("heartbeat of queue item %s failed", queue_id)
+            self.beat()
+
+    def beat(self) -> None:
+        """One heartbeat round (a steppable loop): keep held and waiting items alive, and
+        stop workers that still run an item someone removed (cancelled, timed out, reaped)."""
+        loop_time = asyncio.get_running_loop().time()
+        for worker in list(self._workers):
+            if (
+                worker.draining_since is not None
+                and loop_time - worker.draining_since >= self.cancel_grace
+            ):
+                _log.warning(
+                    "worker %s still runs a finished query: terminated", worker.process.pid
+                )
+                self.terminated += 1
+                worker.draining_since = None
+                worker.process.kill()
+                continue
+            job = worker.job
+            if job is None or not worker.process.is_alive():
+                continue
+            if self._heartbeat(job.queue_id):
+                continue
+            # Removed from the queue: the worker's own heartbeat calls the cancel handler;
+            # if the query has not stopped within the grace period, the process goes.
+            if job.removed_at is None:
+                job.removed_at = loop_time
+            elif loop_time - job.removed_at >= self.cancel_grace:
+                _log.warning(
+                    "worker %s ignored the cancellation of %s: terminated",
+                    worker.process.pid,
+                    job.queue_id,
+                )
+                job.abandoned = True
+                self.terminated += 1
+                worker.process.kill()  # its exit handler replaces it
+        for job in self._backlog:
+            self._heartbeat(job.queue_id)
+
+    def _heartbeat(self, queue_id: QueueId) -> bool:
+        try:
+            return self.store.heartbeat(queue_id)
+        except Exception:  # a failing heartbeat must not stop the others
+            _log.exception("heartbeat of queue item %s failed", queue_id)
+            return True
 
 
 async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None:
@@ -288,6 +337,11 @@ async def _worker_loop(app_ref: str, socket_path: str, conn: Any) -> None:
             if not blob:
                 break
             await queue.execute_query(dill.loads(blob))
+            if queue.handler_threads:
+                # A cancelled or timed-out sync handler is still running: take no more work;
+                # the pool terminates this process unless the thread ends within the grace.
+                conn.send_bytes(b"draining")
+                await asyncio.to_thread(queue.wait_for_handler_threads)
             conn.send_bytes(b"done")
     finally:
         loop.remove_reader(conn.fileno())

@@ -19,12 +19,17 @@ async def serve(
     tcp_port: int | None = None,
     app: str | None = None,
     workers: int = 0,
+    cancel_grace: float = 10.0,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully."""
     store = SqliteQueueStore(db, synchronous=synchronous)
-    pool = WorkerPool(app, socket_path, store, workers=workers) if app and workers > 0 else None
+    pool = (
+        WorkerPool(app, socket_path, store, workers=workers, cancel_grace=cancel_grace)
+        if app and workers > 0
+        else None
+    )
     server = QueueServer(
         store,
         socket_path,
@@ -63,8 +68,17 @@ def run(
     tcp_port: int | None = None,
     app: str | None = None,
     workers: int = 0,
+    cancel_grace: float = 10.0,
 ) -> int:
     asyncio.run(
-        serve(db, socket_path, synchronous=synchronous, tcp_port=tcp_port, app=app, workers=workers)
+        serve(
+            db,
+            socket_path,
+            synchronous=synchronous,
+            tcp_port=tcp_port,
+            app=app,
+            workers=workers,
+            cancel_grace=cancel_grace,
+        )
     )
     return 0

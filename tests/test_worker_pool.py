@@ -255,3 +255,53 @@ GIL_CLIENT = textwrap.dedent(
     asyncio.run(main())
     """
 )
+
+
+async def test_a_cancelled_query_that_does_not_stop_costs_its_worker(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor.app import PoolDispatch
+    from tests.apps.pool_app import app
+    from tests.waiting import wait_until
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = start_supervisor(
+        workdir / "queue.db",
+        workdir / "s.sock",
+        "--app",
+        APP,
+        "--workers",
+        "2",
+        "--cancel-grace",
+        "1",
+    )
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = app.make_queue(driver, continue_wait_timeout=0.2)
+    queue.send_process_message_fn = PoolDispatch(driver, app)
+    caller = asyncio.ensure_future(queue.execute_in_queue("stubborn", "s1", {"key": "s1"}))
+    try:
+        await wait_until(lambda: any(t[:2] == ["start", "s1"] for t in _trace(workdir)), within=30)
+        victim = int(next(t for t in _trace(workdir) if t[:2] == ["start", "s1"])[2])
+        (item,) = await driver.list_items("pool")
+        cancelled_at = time.monotonic()
+        assert await driver.cancel(item.queue_id) is not None  # removed by someone else
+        # the worker's heartbeat notices and calls the cancel handler where the query runs...
+        await wait_until(
+            lambda: ["cancel", "s1", str(victim)] in [t[:3] for t in _trace(workdir)], within=10
+        )
+        # ...and the query ignores it: after the grace period the worker is terminated
+        await wait_until(lambda: _stats_pool(driver, "terminated", 1), within=15)
+        assert time.monotonic() - cancelled_at < 1 + 5  # grace + a few heartbeat rounds
+        await wait_until(lambda: _stats_pool(driver, "replaced", 1), within=15)
+        pids = [w["pid"] for w in (await driver.stats())["pool"]["workers"]]
+        assert victim not in pids and len(pids) == 2
+    finally:
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
+
+
+async def _stats_pool(driver: SocketQueueDriver, counter: str, value: int) -> bool:
+    return bool((await driver.stats())["pool"][counter] == value)

@@ -45,3 +45,17 @@ def hold_the_gil(query: Any, set_cancel_handler: Any) -> float:
     sum(range(query["n"]))  # one long C call: this worker's own heartbeat cannot run
     _trace("gil-end", "gil", os.getpid(), time.monotonic())
     return time.monotonic() - started
+
+
+@app.handler("stubborn")
+def stubborn(query: Any, set_cancel_handler: Any) -> str:
+    _trace("start", query["key"], os.getpid(), time.monotonic())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # never looks at a cancellation
+        time.sleep(0.05)
+    return "finished anyway"
+
+
+@app.cancel_handler("stubborn")
+def cancel_stubborn(definition: dict[str, Any]) -> None:
+    _trace("cancel", definition["query"]["key"], os.getpid(), time.monotonic())
