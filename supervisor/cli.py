@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         default=10.0,
         help="seconds a worker may keep running a cancelled query before it is terminated",
     )
+    sup.add_argument(
+        "--max-tasks-per-worker", type=int, default=None, help="recycle a worker after N queries"
+    )
 
     status = commands.add_parser(
         "status", help="per prefix: pending, active, oldest age; commands/s"
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 app=args.app,
                 workers=args.workers,
                 cancel_grace=args.cancel_grace,
+                max_tasks_per_worker=args.max_tasks_per_worker,
             )
         if args.command == "status":
             return asyncio.run(_status(socket_path))

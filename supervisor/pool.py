@@ -51,6 +51,7 @@ class _Worker:
     job: _Job | None = None
     executed: int = 0
     watchers: list[int] = field(default_factory=list)
+    retiring: bool = False  # asked to exit after max_tasks_per_worker
     draining_since: float | None = None  # ran out of its query but a thread still runs it
 
 
@@ -76,6 +77,7 @@ class WorkerPool:
         self.max_tasks_per_worker = max_tasks_per_worker
         self.cancel_grace = cancel_grace
         self.terminated = 0
+        self.recycled = 0
         self._context = multiprocess.get_context("spawn")
         self._workers: list[_Worker] = []
         self._backlog: deque[_Job] = deque()
@@ -129,6 +131,7 @@ class WorkerPool:
             "backlog": len(self._backlog),
             "replaced": self.replaced,
             "terminated": self.terminated,
+            "recycled": self.recycled,
             "reclaimed": len(self.reclaimed),
         }
 
@@ -166,7 +169,12 @@ class WorkerPool:
         for worker in self._workers:
             if not self._backlog:
                 return
-            if worker.job is None and worker.draining_since is None and worker.process.is_alive():
+            if (
+                worker.job is None
+                and worker.draining_since is None
+                and not worker.retiring
+                and worker.process.is_alive()
+            ):
                 job = self._backlog.popleft()
                 worker.job = job
                 try:
@@ -179,8 +187,10 @@ class WorkerPool:
         try:
             message = worker.conn.recv_bytes()
         except (EOFError, OSError):
-            self._unwatch(worker)  # the exit handler takes it from here
+            # The pipe is closed: only the exit handler has anything left to do.
+            self._unwatch(worker)
             asyncio.get_running_loop().add_reader(worker.process.sentinel, self._on_exit, worker)
+            worker.watchers = [worker.process.sentinel]
             return
         if message == b"draining":
             worker.job = None
@@ -195,20 +205,25 @@ class WorkerPool:
         self._assign()
 
     def _retire(self, worker: _Worker) -> None:
+        worker.retiring = True
         with contextlib.suppress(OSError, ValueError):
             worker.conn.send_bytes(b"")
 
     def _on_exit(self, worker: _Worker) -> None:
         self._unwatch(worker)
-        with contextlib.suppress(ValueError):
-            self._workers.remove(worker)
+        if worker not in self._workers:
+            return  # handled already: an exited process's sentinel stays readable
+        self._workers.remove(worker)
         worker.process.join(0)
         with contextlib.suppress(OSError):
             worker.conn.close()
         if worker.job is not None:
             self._reclaim(worker.job)
         if not self._stopping:
-            self.replaced += 1
+            if worker.retiring:
+                self.recycled += 1
+            else:
+                self.replaced += 1
             self._spawn()
             self._assign()
 

@@ -20,13 +20,21 @@ async def serve(
     app: str | None = None,
     workers: int = 0,
     cancel_grace: float = 10.0,
+    max_tasks_per_worker: int | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully."""
     store = SqliteQueueStore(db, synchronous=synchronous)
     pool = (
-        WorkerPool(app, socket_path, store, workers=workers, cancel_grace=cancel_grace)
+        WorkerPool(
+            app,
+            socket_path,
+            store,
+            workers=workers,
+            cancel_grace=cancel_grace,
+            max_tasks_per_worker=max_tasks_per_worker,
+        )
         if app and workers > 0
         else None
     )
@@ -69,6 +77,7 @@ def run(
     app: str | None = None,
     workers: int = 0,
     cancel_grace: float = 10.0,
+    max_tasks_per_worker: int | None = None,
 ) -> int:
     asyncio.run(
         serve(
@@ -79,6 +88,7 @@ def run(
             app=app,
             workers=workers,
             cancel_grace=cancel_grace,
+            max_tasks_per_worker=max_tasks_per_worker,
         )
     )
     return 0

@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from driver_sqlite.store import SqliteQueueStore
+from engine.errors import ContinueWaitError
 from supervisor.client import SocketQueueDriver
 from tests.supervisor_util import REPO, SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until_sync
@@ -305,3 +306,46 @@ async def test_a_cancelled_query_that_does_not_stop_costs_its_worker(
 
 async def _stats_pool(driver: SocketQueueDriver, counter: str, value: int) -> bool:
     return bool((await driver.stats())["pool"][counter] == value)
+
+
+async def test_workers_are_recycled_after_max_tasks(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor.app import PoolDispatch
+    from tests.apps.pool_app import app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = start_supervisor(
+        workdir / "queue.db",
+        workdir / "s.sock",
+        "--app",
+        APP,
+        "--workers",
+        "1",
+        "--max-tasks-per-worker",
+        "2",
+    )
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = app.make_queue(driver)
+    queue.send_process_message_fn = PoolDispatch(driver, app)
+    try:
+        pids = []
+        for i in range(5):  # one after the other: each waits for its own result
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    result = await queue.execute_in_queue(
+                        "sql", f"r{i}", {"key": f"r{i}", "seconds": 0}
+                    )
+                    break
+                except ContinueWaitError:  # a recycled worker is still starting: ask again
+                    assert time.monotonic() < deadline
+            assert result["key"] == f"r{i}"
+            pids.append(result["pid"])
+        assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+        stats = (await driver.stats())["pool"]
+        assert stats["recycled"] >= 2 and stats["replaced"] == 0 and len(stats["workers"]) == 1
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
