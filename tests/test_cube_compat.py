@@ -80,6 +80,7 @@ def supervisor() -> Iterator[SupervisorProcess]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.timeout(420)  # a first run installs Cube's packages from the npm registry
 def test_cubes_query_queue_runs_on_the_supervisor(supervisor: SupervisorProcess) -> None:
     modules = _cube_packages()
     ran = subprocess.run(
