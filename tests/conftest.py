@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,10 +11,19 @@ from driver_sqlite.store import SqliteQueueStore
 from engine.clock import ManualClock
 from engine.memory_store import MemoryQueueStore
 from engine.store import QueueStore
+from tests.supervisor_util import socket_dir
 
 StoreFactory = Callable[..., QueueStore]
 
 STORE_KINDS = ["memory", "sqlite"]
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A private directory short enough for a Unix socket path."""
+    directory = socket_dir()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

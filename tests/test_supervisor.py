@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import struct
@@ -24,15 +23,8 @@ import pytest
 from driver_sqlite.store import SqliteQueueStore
 from engine.errors import ExternalIdConflictError, InvalidCommandError
 from supervisor.client import SocketQueueDriver
-from tests.supervisor_util import REPO, SupervisorProcess, socket_dir, start_supervisor
+from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.waiting import wait_until_sync
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    directory = socket_dir()
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 from driver_sqlite.store import SqliteQueueStore
 from engine.errors import ContinueWaitError
 from supervisor.client import SocketQueueDriver
-from tests.supervisor_util import REPO, SupervisorProcess, socket_dir, start_supervisor
+from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.waiting import wait_until_sync
 
 APP = "tests.apps.pool_app:app"
@@ -59,13 +58,6 @@ REQUESTS = textwrap.dedent(
     asyncio.run(main())
     """
 )
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    directory = socket_dir()
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
