@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from engine.driver import QueueDriver
-from engine.responses import QueryDefResponse, QueueId, QueueKey
+from engine.responses import ListResponse, QueryDefResponse, QueueId, QueueKey, ToCancelResponse
 
 QueryDef = dict[str, Any]
 
@@ -56,6 +56,10 @@ def _merge(payload: str, extra: str | None) -> QueryDef:
         if isinstance(decoded, dict):
             query.update(decoded)
     return query
+
+
+def _pairs(rows: list[ListResponse] | list[ToCancelResponse]) -> list[tuple[str, QueueId]]:
+    return [(row.id, row.queue_id) for row in rows]
 
 
 def _keys(active: str | None) -> tuple[str, ...]:
@@ -151,15 +155,15 @@ class QueueConnection:
         rows = await self.driver.to_cancel(
             self.heartbeat_timeout_ms, self.orphaned_timeout_ms, self.prefix
         )
-        return [(row.id, row.queue_id) for row in rows]
+        return _pairs(rows)
 
     async def get_stalled_queries(self) -> list[tuple[str, QueueId]]:
         rows = await self.driver.to_cancel(self.heartbeat_timeout_ms, None, self.prefix)
-        return [(row.id, row.queue_id) for row in rows]
+        return _pairs(rows)
 
     async def get_orphaned_queries(self) -> list[tuple[str, QueueId]]:
         rows = await self.driver.to_cancel(None, self.orphaned_timeout_ms, self.prefix)
-        return [(row.id, row.queue_id) for row in rows]
+        return _pairs(rows)
 
     async def get_query_and_remove(
         self, query_key_hash: str, queue_id: QueueId | None
@@ -170,13 +174,13 @@ class QueueConnection:
 
     async def get_active_queries(self) -> list[tuple[str, QueueId]]:
         rows = await self.driver.active(self.prefix, process_id=self.process_uid)
-        return [(row.id, row.queue_id) for row in rows]
+        return _pairs(rows)
 
     async def get_to_process_queries(self, limit: int | None = None) -> list[tuple[str, QueueId]]:
         # Persistent keys are EXCLUSIVE to their process, so the store already hides other
         # processes' ones: `limit` counts only what this process may run.
         rows = await self.driver.pending(self.prefix, process_id=self.process_uid, limit=limit)
-        return [(row.id, row.queue_id) for row in rows]
+        return _pairs(rows)
 
     async def retrieve_for_processing(self, query_key_hash: str) -> Retrieved:
         got = await self.driver.retrieve(

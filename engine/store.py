@@ -251,33 +251,23 @@ class QueueStore(ABC):
         with self._atomic() as tx:
             existing = self._find_for_add(tx, new)
             pending, active = tx.counts(new.prefix)
+            retrieved: str | None = None
             if existing is not None:
-                return AddAndRetrieveResponse(
-                    id=existing.id,
-                    added=False,
-                    pending=pending,
-                    active=_join(tx.active_keys(new.prefix)),
-                    payload=None,
-                    extra=None,
-                )
-            # A fresh item is always visible to its adder (EXCLUSIVE needs the adder's process id).
-            if active + pending < concurrency:
+                queue_id = existing.id
+            elif active + pending < concurrency:
+                # A fresh item is always visible to its adder (EXCLUSIVE needs its process
+                # id); retrieved, it goes straight to active and never counts as pending.
                 queue_id = tx.insert(replace(new, status="active", heartbeat=new.created))
-                return AddAndRetrieveResponse(
-                    id=queue_id,
-                    added=True,
-                    pending=pending,
-                    active=_join(tx.active_keys(new.prefix)),
-                    payload=new.payload,
-                    extra=None,
-                )
-            queue_id = tx.insert(new)
+                retrieved = new.payload
+            else:
+                queue_id = tx.insert(new)
+                pending += 1
             return AddAndRetrieveResponse(
                 id=queue_id,
-                added=True,
-                pending=pending + 1,
+                added=existing is None,
+                pending=pending,
                 active=_join(tx.active_keys(new.prefix)),
-                payload=None,
+                payload=retrieved,
                 extra=None,
             )
 

@@ -74,14 +74,19 @@ class QueueApp:
             **options,
         )
 
+    def pool_queue(self, driver: SocketQueueDriver, **overrides: Any) -> QueryQueue:
+        """A queue on the supervisor whose executions are handed to its worker pool."""
+        dispatch = PoolDispatch(driver)
+        queue = self.make_queue(driver, send_process_message_fn=dispatch, **overrides)
+        dispatch.queue = queue
+        return queue
+
     def client_queue(self) -> QueryQueue:
         """This process's queue on the supervisor, with executions handed to its pool."""
         key = (os.getpid(), id(asyncio.get_running_loop()))
         queue = self._queues.get(key)
         if queue is None:
-            driver = SocketQueueDriver(self.socket_path)
-            queue = self.make_queue(driver, send_process_message_fn=PoolDispatch(driver, self))
-            self._queues[key] = queue
+            queue = self._queues[key] = self.pool_queue(SocketQueueDriver(self.socket_path))
         return queue
 
     async def execute_in_queue(
@@ -110,13 +115,12 @@ class PoolDispatch:
     process: their stream lives here, so they run here.
     """
 
-    def __init__(self, driver: SocketQueueDriver, app: QueueApp) -> None:
+    def __init__(self, driver: SocketQueueDriver) -> None:
         self.driver = driver
-        self.app = app
+        self.queue: QueryQueue | None = None  # the queue that retrieves: set by pool_queue
 
     async def __call__(self, retrieved: RetrievedQuery) -> None:
-        if retrieved.persistent:
-            queue = self.app.client_queue()
-            queue._spawn(queue.execute_query(retrieved))
+        if retrieved.persistent and self.queue is not None:
+            self.queue._spawn(self.queue.execute_query(retrieved))
             return
         await self.driver.dispatch(retrieved)

@@ -12,7 +12,6 @@ reused); otherwise the caller gets `SupervisorUnavailableError`.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import itertools
 import os
@@ -43,6 +42,7 @@ from supervisor.protocol import (
     DEFAULT_MAX_FRAME,
     FrameError,
     encode_frame,
+    encode_hand_off,
     raise_error,
     read_frame,
 )
@@ -249,7 +249,7 @@ class SocketQueueDriver:
         stalled path reclaims it if the hand-off never arrived.
         """
         blob = dill.dumps(retrieved)
-        await self.call("dispatch", retrieved.queue_id, base64.b64encode(blob).decode("ascii"))
+        await self.call("dispatch", retrieved.queue_id, encode_hand_off(blob))
 
     async def stats(self) -> dict[str, Any]:
         answer: dict[str, Any] = await self.call("stats")

@@ -17,7 +17,6 @@ runs `QueryQueue.execute_query` with its own connection to the supervisor.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import inspect
 import logging
@@ -306,14 +305,6 @@ async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None
         _log.exception("cancel handler of a reclaimed query failed")
 
 
-def encode_hand_off(blob: bytes) -> str:
-    return base64.b64encode(blob).decode("ascii")
-
-
-def decode_hand_off(text: str) -> bytes:
-    return base64.b64decode(text.encode("ascii"), validate=True)
-
-
 # -- the worker process ----------------------------------------------------------------------
 
 
@@ -329,13 +320,12 @@ def worker_main(app_ref: str, socket_path: str, conn: Any) -> None:
 async def _worker_loop(app_ref: str, socket_path: str, conn: Any) -> None:
     import dill
 
-    from supervisor.app import PoolDispatch, load_app
+    from supervisor.app import load_app
     from supervisor.client import SocketQueueDriver
 
     app = load_app(app_ref)
     driver = SocketQueueDriver(socket_path)
-    queue = app.make_queue(driver)
-    queue.send_process_message_fn = PoolDispatch(driver, app)
+    queue = app.pool_queue(driver)
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue[bytes] = asyncio.Queue()
 

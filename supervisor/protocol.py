@@ -14,6 +14,7 @@ Requests may be pipelined and are answered in any order (match replies by `id`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import struct
 from dataclasses import fields, is_dataclass
 from enum import Enum
@@ -70,6 +71,15 @@ def _default(value: Any) -> Any:
     if isinstance(value, Enum):
         return value.value
     raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def encode_hand_off(blob: bytes) -> str:
+    """A pickled RetrievedQuery as JSON text (the `dispatch` command)."""
+    return base64.b64encode(blob).decode("ascii")
+
+
+def decode_hand_off(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
 
 
 def error_payload(exc: BaseException) -> dict[str, str]:

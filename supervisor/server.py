@@ -10,7 +10,6 @@ by the ACK that completes the item (or answered empty at its timeout): nothing p
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import inspect
 import os
@@ -25,11 +24,13 @@ import orjson
 
 from engine.errors import InvalidCommandError, QueueError, StoreError
 from engine.store import QueueStore
+from engine.validation import check_process_id
 from supervisor import sqltext
 from supervisor.pool import WorkerPool
 from supervisor.protocol import (
     DEFAULT_MAX_FRAME,
     FrameError,
+    decode_hand_off,
     encode_frame,
     error_payload,
     read_frame,
@@ -300,14 +301,12 @@ class QueueServer:
             if not isinstance(args, list) or not isinstance(kwargs, dict):
                 raise InvalidCommandError(f"{method}: 'args' must be a list and 'kwargs' an object")
             if method == "hello":
-                process_id = kwargs.get("process_id")
-                if process_id is not None and (
-                    not isinstance(process_id, str) or not 0 < len(process_id) <= 96
-                ):
+                try:  # the store's own rule for process ids
+                    connection.process_id = check_process_id(kwargs.get("process_id"))
+                except InvalidCommandError:
                     raise InvalidCommandError(
                         "hello: process_id must be a string of 1 to 96 characters"
-                    )
-                connection.process_id = process_id
+                    ) from None
                 connection.send({"id": request_id, "ok": {"pid": os.getpid()}})
                 return None
             if method == "ping":
@@ -343,7 +342,7 @@ class QueueServer:
                 "dispatch: takes a queue id and a base64 pickled RetrievedQuery"
             )
         try:
-            blob = base64.b64decode(args[1].encode("ascii"), validate=True)
+            blob = decode_hand_off(args[1])
         except (ValueError, UnicodeEncodeError):
             raise InvalidCommandError("dispatch: the hand-off is not base64") from None
         try:

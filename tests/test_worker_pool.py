@@ -60,12 +60,16 @@ REQUESTS = textwrap.dedent(
 )
 
 
+def _start_pool(workdir: Path, workers: int, *options: str) -> SupervisorProcess:
+    return start_supervisor(
+        workdir / "queue.db", workdir / "s.sock", "--app", APP, "--workers", str(workers), *options
+    )
+
+
 @pytest.fixture
 def pool(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SupervisorProcess]:
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    process = start_supervisor(
-        workdir / "queue.db", workdir / "s.sock", "--app", APP, "--workers", "3"
-    )
+    process = _start_pool(workdir, 3)
     try:
         yield process
     finally:
@@ -195,9 +199,7 @@ def test_a_worker_holding_the_gil_is_not_reaped_while_alive(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = start_supervisor(
-        workdir / "queue.db", workdir / "s.sock", "--app", APP, "--workers", "2"
-    )
+    supervisor = _start_pool(workdir, 2)
     try:
         gil = subprocess.run(
             [sys.executable, "-c", GIL_CLIENT],
@@ -253,24 +255,13 @@ GIL_CLIENT = textwrap.dedent(
 async def test_a_cancelled_query_that_does_not_stop_costs_its_worker(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from supervisor.app import PoolDispatch
     from tests.apps.pool_app import app
     from tests.waiting import wait_until
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = start_supervisor(
-        workdir / "queue.db",
-        workdir / "s.sock",
-        "--app",
-        APP,
-        "--workers",
-        "2",
-        "--cancel-grace",
-        "1",
-    )
+    supervisor = _start_pool(workdir, 2, "--cancel-grace", "1")
     driver = SocketQueueDriver(supervisor.socket_path)
-    queue = app.make_queue(driver, continue_wait_timeout=0.2)
-    queue.send_process_message_fn = PoolDispatch(driver, app)
+    queue = app.pool_queue(driver, continue_wait_timeout=0.2)
     caller = asyncio.ensure_future(queue.execute_in_queue("stubborn", "s1", {"key": "s1"}))
     try:
         await wait_until(lambda: any(t[:2] == ["start", "s1"] for t in _trace(workdir)), within=30)
@@ -303,23 +294,12 @@ async def _stats_pool(driver: SocketQueueDriver, counter: str, value: int) -> bo
 async def test_workers_are_recycled_after_max_tasks(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from supervisor.app import PoolDispatch
     from tests.apps.pool_app import app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = start_supervisor(
-        workdir / "queue.db",
-        workdir / "s.sock",
-        "--app",
-        APP,
-        "--workers",
-        "1",
-        "--max-tasks-per-worker",
-        "2",
-    )
+    supervisor = _start_pool(workdir, 1, "--max-tasks-per-worker", "2")
     driver = SocketQueueDriver(supervisor.socket_path)
-    queue = app.make_queue(driver)
-    queue.send_process_message_fn = PoolDispatch(driver, app)
+    queue = app.pool_queue(driver)
     try:
         pids = []
         for i in range(5):  # one after the other: each waits for its own result
