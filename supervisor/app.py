@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,8 +35,10 @@ class QueueApp:
         self.query_handlers: dict[str, QueryHandler] = {}
         self.cancel_handlers: dict[str, CancelHandler] = {}
         self.stream_handler: StreamHandler | None = None
-        # One client queue per process and event loop, made on first use.
-        self._queues: dict[tuple[int, int], QueryQueue] = {}
+        # One client queue per process and event loop, made on first use. Weak keys: a
+        # closed loop's queue goes with it (an id() key could be reused by the next loop).
+        self._queues: dict[int, weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, QueryQueue]]
+        self._queues = {}
         self.socket_path: Path | None = None  # None: $QUERYQUEUE_SOCKET, then the default
 
     def handler(self, name: str) -> Callable[[F], F]:
@@ -83,10 +86,11 @@ class QueueApp:
 
     def client_queue(self) -> QueryQueue:
         """This process's queue on the supervisor, with executions handed to its pool."""
-        key = (os.getpid(), id(asyncio.get_running_loop()))
-        queue = self._queues.get(key)
+        queues = self._queues.setdefault(os.getpid(), weakref.WeakKeyDictionary())
+        loop = asyncio.get_running_loop()
+        queue = queues.get(loop)
         if queue is None:
-            queue = self._queues[key] = self.pool_queue(SocketQueueDriver(self.socket_path))
+            queue = queues[loop] = self.pool_queue(SocketQueueDriver(self.socket_path))
         return queue
 
     async def execute_in_queue(

@@ -48,6 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     sup.add_argument(
         "--max-tasks-per-worker", type=int, default=None, help="recycle a worker after N queries"
     )
+    sup.add_argument(
+        "--max-memory-per-worker",
+        type=int,
+        default=None,
+        metavar="MB",
+        help="recycle a worker whose RSS is above MB after a query",
+    )
+    sup.add_argument(
+        "--shm-threshold",
+        type=int,
+        default=1024,
+        metavar="KB",
+        help="results of at least KB kilobytes travel through shared memory (0: never)",
+    )
 
     status = commands.add_parser(
         "status", help="per prefix: pending, active, oldest age; commands/s"
@@ -75,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.workers,
                 cancel_grace=args.cancel_grace,
                 max_tasks_per_worker=args.max_tasks_per_worker,
+                max_memory_per_worker=(
+                    args.max_memory_per_worker * 1024 * 1024 if args.max_memory_per_worker else None
+                ),
+                shm_threshold=args.shm_threshold * 1024 if args.shm_threshold > 0 else None,
             )
         if args.command == "status":
             return asyncio.run(_status(socket_path))

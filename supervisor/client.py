@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import uuid
@@ -46,6 +47,7 @@ from supervisor.protocol import (
     raise_error,
     read_frame,
 )
+from supervisor.shm import DEFAULT_THRESHOLD, SegmentMaps, parse_reference
 
 _ALWAYS_SAFE = {
     "add",
@@ -58,6 +60,7 @@ _ALWAYS_SAFE = {
     "merge_extra",
     "stats",
     "ping",
+    "shm_release",
 }
 # Safe when they name the item by queue id (or, for RESULT, read by external id).
 _SAFE_BY_ID = {"ack", "cancel", "result", "result_blocking"}
@@ -129,7 +132,12 @@ class SocketQueueDriver:
         reconnect_timeout: float = 30.0,
         request_timeout: float = 60.0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        shm_threshold: int | None = DEFAULT_THRESHOLD,
     ) -> None:
+        """`shm_threshold`: results (ACKs) of at least this many bytes of JSON go through
+        shared memory (None: never). Reading one works whatever this is."""
+        self.shm_threshold = shm_threshold
+        self._segments = SegmentMaps()
         self.socket_path = Path(socket_path) if socket_path is not None else default_socket_path()
         self.process_id = process_id
         self.reconnect_timeout = reconnect_timeout
@@ -262,6 +270,7 @@ class SocketQueueDriver:
             with contextlib.suppress(BaseException):
                 await self._link.task
         self._link = None
+        self._segments.close()
 
     # -- the QUEUE commands ------------------------------------------------------------------------
 
@@ -332,8 +341,28 @@ class SocketQueueDriver:
         return answer
 
     async def ack(self, key: QueueKey, result: str | None) -> AckResponse:
+        if (
+            result is not None
+            and self.shm_threshold is not None
+            and len(result) >= self.shm_threshold
+        ):
+            data = result.encode()
+            slot = await self.call("shm_alloc", len(data))
+            result = self._segments.write(slot, data)
         answer: AckResponse = await self._decoded("ack", key, result)
         return answer
+
+    async def _read_shared(self, answer: ResultResponse | None) -> ResultResponse | None:
+        """Copy a shared-memory result out of its segment, then release our lease."""
+        ref = parse_reference(answer.payload) if answer is not None else None
+        if answer is None or ref is None:
+            return answer
+        try:
+            payload = self._segments.read(ref)
+        finally:
+            with contextlib.suppress(SupervisorUnavailableError):
+                await self.call("shm_release", ref[0], ref[1])
+        return dataclasses.replace(answer, payload=payload)
 
     async def result(
         self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
@@ -345,14 +374,14 @@ class SocketQueueDriver:
         answer: ResultResponse | None = await self._decoded(
             "result", key, external_id=external_id, consumer=consumer
         )
-        return answer
+        return await self._read_shared(answer)
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         extra = timeout_ms / 1000 if isinstance(timeout_ms, int) and timeout_ms > 0 else 0.0
         answer: ResultResponse | None = await self._decoded(
             "result_blocking", key, timeout_ms, extra_wait=extra
         )
-        return answer
+        return await self._read_shared(answer)
 
     async def get(self, key: QueueKey) -> QueryDefResponse | None:
         answer: QueryDefResponse | None = await self._decoded("get", key)

@@ -28,9 +28,11 @@ from typing import Any
 
 import multiprocess
 import orjson
+import psutil
 
 from engine.responses import QueueId
 from engine.store import QueueStore
+from supervisor.shm import DEFAULT_THRESHOLD
 
 _log = logging.getLogger("supervisor.pool")
 
@@ -65,6 +67,8 @@ class WorkerPool:
         heartbeat_interval: float = 5.0,
         max_tasks_per_worker: int | None = None,
         cancel_grace: float = 10.0,
+        shm_threshold: int | None = DEFAULT_THRESHOLD,
+        max_memory_per_worker: int | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError("a pool needs at least one worker")
@@ -75,6 +79,8 @@ class WorkerPool:
         self.heartbeat_interval = heartbeat_interval
         self.max_tasks_per_worker = max_tasks_per_worker
         self.cancel_grace = cancel_grace
+        self.shm_threshold = shm_threshold
+        self.max_memory_per_worker = max_memory_per_worker
         self.terminated = 0
         self.recycled = 0
         self._context = multiprocess.get_context("spawn")
@@ -137,7 +143,9 @@ class WorkerPool:
     def _spawn(self) -> _Worker:
         parent, child = self._context.Pipe()
         process = self._context.Process(
-            target=worker_main, args=(self.app_ref, self.socket_path, child), daemon=True
+            target=worker_main,
+            args=(self.app_ref, self.socket_path, child, self.shm_threshold),
+            daemon=True,
         )
         process.start()
         child.close()
@@ -199,9 +207,23 @@ class WorkerPool:
             worker.job = None
             worker.draining_since = None
             worker.executed += 1
-            if self.max_tasks_per_worker and worker.executed >= self.max_tasks_per_worker:
+            if (
+                self.max_tasks_per_worker and worker.executed >= self.max_tasks_per_worker
+            ) or self._over_memory(worker):
                 self._retire(worker)
         self._assign()
+
+    def _over_memory(self, worker: _Worker) -> bool:
+        if self.max_memory_per_worker is None:
+            return False
+        try:
+            rss = int(psutil.Process(worker.process.pid).memory_info().rss)
+        except psutil.Error:
+            return False
+        if rss <= self.max_memory_per_worker:
+            return False
+        _log.info("worker %s uses %d bytes: recycled", worker.process.pid, rss)
+        return True
 
     def _retire(self, worker: _Worker) -> None:
         worker.retiring = True
@@ -308,23 +330,25 @@ async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None
 # -- the worker process ----------------------------------------------------------------------
 
 
-def worker_main(app_ref: str, socket_path: str, conn: Any) -> None:
+def worker_main(app_ref: str, socket_path: str, conn: Any, shm_threshold: int | None) -> None:
     import faulthandler
     import signal
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <worker>` prints where it is
     logging.basicConfig(level=logging.WARNING, format=f"worker {os.getpid()}: %(message)s")
-    asyncio.run(_worker_loop(app_ref, socket_path, conn))
+    asyncio.run(_worker_loop(app_ref, socket_path, conn, shm_threshold))
 
 
-async def _worker_loop(app_ref: str, socket_path: str, conn: Any) -> None:
+async def _worker_loop(
+    app_ref: str, socket_path: str, conn: Any, shm_threshold: int | None
+) -> None:
     import dill
 
     from supervisor.app import load_app
     from supervisor.client import SocketQueueDriver
 
     app = load_app(app_ref)
-    driver = SocketQueueDriver(socket_path)
+    driver = SocketQueueDriver(socket_path, shm_threshold=shm_threshold)
     queue = app.pool_queue(driver)
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue[bytes] = asyncio.Queue()

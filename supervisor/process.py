@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
+from typing import Any
 
 from driver_sqlite.store import SqliteQueueStore, Synchronous
 from supervisor.pool import WorkerPool
@@ -19,22 +20,17 @@ async def serve(
     tcp_port: int | None = None,
     app: str | None = None,
     workers: int = 0,
-    cancel_grace: float = 10.0,
-    max_tasks_per_worker: int | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
+    **pool_options: Any,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully."""
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
+
+    `pool_options` go to `WorkerPool` (cancel_grace, max_tasks_per_worker,
+    max_memory_per_worker, shm_threshold)."""
     store = SqliteQueueStore(db, synchronous=synchronous)
     pool = (
-        WorkerPool(
-            app,
-            socket_path,
-            store,
-            workers=workers,
-            cancel_grace=cancel_grace,
-            max_tasks_per_worker=max_tasks_per_worker,
-        )
+        WorkerPool(app, socket_path, store, workers=workers, **pool_options)
         if app and workers > 0
         else None
     )
@@ -68,27 +64,6 @@ async def serve(
         store.close()
 
 
-def run(
-    db: str | Path,
-    socket_path: str | Path,
-    *,
-    synchronous: Synchronous = "NORMAL",
-    tcp_port: int | None = None,
-    app: str | None = None,
-    workers: int = 0,
-    cancel_grace: float = 10.0,
-    max_tasks_per_worker: int | None = None,
-) -> int:
-    asyncio.run(
-        serve(
-            db,
-            socket_path,
-            synchronous=synchronous,
-            tcp_port=tcp_port,
-            app=app,
-            workers=workers,
-            cancel_grace=cancel_grace,
-            max_tasks_per_worker=max_tasks_per_worker,
-        )
-    )
+def run(db: str | Path, socket_path: str | Path, **options: Any) -> int:
+    asyncio.run(serve(db, socket_path, **options))
     return 0

@@ -35,6 +35,7 @@ from supervisor.protocol import (
     error_payload,
     read_frame,
 )
+from supervisor.shm import SegmentPool, name_prefix, parse_reference
 
 # Commands a client may call, and which of them take the connection's process id.
 COMMANDS = {
@@ -146,6 +147,7 @@ class QueueServer:
         max_frame: int = DEFAULT_MAX_FRAME,
         max_batch: int = 512,
         pool: WorkerPool | None = None,
+        segments: SegmentPool | None = None,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
@@ -157,6 +159,9 @@ class QueueServer:
         self.max_batch = max_batch
         self.stats = Stats()
         self.pool = pool
+        self.segments = segments or SegmentPool(
+            name_prefix(socket_path), result_ttl=store.result_ttl_ms / 1000
+        )
         self._servers: list[asyncio.Server] = []
         self._inbox: asyncio.Queue[_Request] = asyncio.Queue()
         self._executor: asyncio.Task[None] | None = None
@@ -164,11 +169,13 @@ class QueueServer:
         self._handlers: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._signatures: dict[str, inspect.Signature] = {}
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         # Coming back after a crash: executors that lived through the outage could not
         # heartbeat, so give them a full timeout to reconnect before anything is reaped.
         self.store.refresh_active_heartbeats()
+        self.segments.adopt()  # large results a crashed supervisor acknowledged
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()  # a stale socket of a dead supervisor
@@ -185,6 +192,12 @@ class QueueServer:
                 await asyncio.start_server(self._serve, self.tcp_host, self.tcp_port or 0)
             )
         self._executor = asyncio.ensure_future(self._execute_forever())
+        self._sweeper = asyncio.ensure_future(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            self.segments.sweep()
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:
@@ -205,9 +218,10 @@ class QueueServer:
         await asyncio.sleep(0)
         while not self._inbox.empty():
             self._run_batch()
-        if self._executor is not None:
-            self._executor.cancel()
-            await asyncio.gather(self._executor, return_exceptions=True)
+        for background in (self._executor, self._sweeper):
+            if background is not None:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
         for connection in list(self._connections):
             with contextlib.suppress(Exception):
                 await connection.writer.drain()
@@ -219,6 +233,7 @@ class QueueServer:
         if checkpoint is not None:
             with contextlib.suppress(StoreError):
                 checkpoint()
+        self.segments.close()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
 
@@ -250,6 +265,7 @@ class QueueServer:
             for parked in list(connection.parked):
                 parked.cancel()
             self._connections.discard(connection)
+            self.segments.drop_owner(connection)
             with contextlib.suppress(Exception):
                 writer.close()
             if task is not None:
@@ -315,6 +331,16 @@ class QueueServer:
             if method == "stats":
                 connection.send({"id": request_id, "ok": self.describe()})
                 return None
+            if method == "shm_alloc":
+                slot = self.segments.alloc(args[0] if len(args) == 1 else None, connection)
+                connection.send({"id": request_id, "ok": slot})
+                return None
+            if method == "shm_release":
+                if len(args) != 2:
+                    raise InvalidCommandError("shm_release: takes a segment name and generation")
+                self.segments.release(args[0], args[1], connection)
+                connection.send({"id": request_id, "ok": True})
+                return None
             if method == "dispatch":
                 self._dispatch(args)
                 connection.send({"id": request_id, "ok": True})
@@ -356,6 +382,7 @@ class QueueServer:
             **pool,
             **self.stats.snapshot(),
             **self.store.describe(),
+            "shared_memory": self.segments.describe(),
             "connections": len(self._connections),
             "pid": os.getpid(),
         }
@@ -392,6 +419,8 @@ class QueueServer:
 
     def _run(self, request: _Request) -> tuple[bool, Any]:
         try:
+            if request.method == "ack" and len(request.args) == 2:
+                self.segments.check_ack(request.args[1])
             return True, getattr(self.store, request.method)(*request.args, **request.kwargs)
         except QueueError as exc:
             return False, exc
@@ -399,12 +428,27 @@ class QueueServer:
             return False, StoreError(f"{request.method} failed: {exc!r}")
 
     def _answer(self, request: _Request, ok: bool, answer: Any) -> None:
+        if ok and request.method == "ack" and len(request.args) == 2:
+            self.segments.acked(request.args[1], bool(answer.success))
+        elif ok and answer is not None and request.method in ("result", "result_blocking"):
+            answer = self._lease_result(request, answer)
         if not ok:
             request.connection.send({"id": request.id, "error": error_payload(answer)})
         elif request.rows is not None:
             request.connection.send({"id": request.id, "rows": request.rows(answer)})
         else:
             request.connection.send({"id": request.id, "ok": answer})
+
+    def _lease_result(self, request: _Request, answer: Any) -> Any:
+        """A shared-memory result is readable by this connection until it releases it."""
+        if parse_reference(answer.payload) is None or request.rows is not None:
+            return answer
+        if self.segments.lease(answer.payload, request.connection):
+            if request.connection.closed:  # a long-poll whose reader hung up meanwhile
+                self.segments.drop_owner(request.connection)
+            return answer
+        # Its segment went back to the pool (a late re-read): as if there were no result.
+        return None
 
     async def _result_blocking(self, request: _Request) -> None:
         try:

@@ -321,3 +321,172 @@ async def test_workers_are_recycled_after_max_tasks(
         await queue.shutdown(grace=0)
         await driver.close()
         assert supervisor.stop() == 0
+
+
+async def _ask(queue: Any, handler: str, key: str, query: Any, priority: int = 0) -> Any:
+    """execute_in_queue, asking again after each continue-wait (bounded)."""
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            return await queue.execute_in_queue(handler, key, query, priority)
+        except ContinueWaitError:
+            assert time.monotonic() < deadline, f"no result for {key}"
+
+
+async def test_large_results_travel_through_shared_memory_and_leave_nothing(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from supervisor.shm import SHM_DIR, name_prefix
+    from tests.apps.pool_app import app, big_text
+    from tests.waiting import wait_until
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    prefix = name_prefix(workdir / "s.sock")
+    supervisor = _start_pool(workdir, 2)
+    drivers = [SocketQueueDriver(supervisor.socket_path) for _ in range(3)]
+    queues = [app.pool_queue(driver) for driver in drivers]
+    try:
+        size = 100 * 1024 * 1024
+        text = await _ask(queues[0], "big", "huge", {"key": "huge", "size": size})
+        expected = hashlib.sha256(big_text(size, "huge").encode()).hexdigest()
+        assert len(text) == size and hashlib.sha256(text.encode()).hexdigest() == expected
+        del text
+        # Three connections wait for one 3 MiB result: one execution, three readers.
+        size = 3 * 1024 * 1024
+        texts = await asyncio.gather(
+            *(_ask(q, "big", "shared", {"key": "shared", "size": size}) for q in queues)
+        )
+        assert texts == [big_text(size, "shared")] * 3
+        assert [t[1] for t in _trace(workdir) if t[0] == "start"] == ["huge", "shared"]
+        shm = (await drivers[0].stats())["shared_memory"]
+        assert shm["created"] >= 1 and shm["segments"] == len(list(SHM_DIR.glob(prefix + "*")))
+
+        async def all_returned() -> bool:
+            shm = (await drivers[0].stats())["shared_memory"]
+            return bool(shm["stored"] == 0 and shm["writing"] == 0)
+
+        await wait_until(all_returned, within=15)  # every reader released its lease
+    finally:
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        assert supervisor.stop() == 0
+    assert list(SHM_DIR.glob(prefix + "*")) == []
+
+
+async def test_priority_decides_who_runs_next_through_the_pool(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.apps.pool_app import app
+    from tests.waiting import wait_until
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = _start_pool(workdir, 2)
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = app.pool_queue(driver)
+    try:
+        # Both slots of the prefix (concurrency 2) busy...
+        blockers = [
+            asyncio.ensure_future(_ask(queue, "sql", f"b{i}", {"key": f"b{i}", "seconds": 1.5}))
+            for i in range(2)
+        ]
+        await wait_until(lambda: sum(t[0] == "start" for t in _trace(workdir)) == 2, within=30)
+        # ...then background work, then urgent work, all waiting for a slot.
+        low = [
+            asyncio.ensure_future(_ask(queue, "sql", f"low{i}", {"key": f"low{i}"}, priority=0))
+            for i in range(3)
+        ]
+        await asyncio.sleep(0)
+        high = [
+            asyncio.ensure_future(_ask(queue, "sql", f"high{i}", {"key": f"high{i}"}, priority=5))
+            for i in range(3)
+        ]
+        await asyncio.gather(*blockers, *low, *high)
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
+    started = {t[1]: float(t[3]) for t in _trace(workdir) if t[0] == "start"}
+    assert len(started) == 8  # each once
+    assert max(started[f"high{i}"] for i in range(3)) <= min(started[f"low{i}"] for i in range(3))
+    assert _max_overlap(_trace(workdir)) == 2
+
+
+async def test_an_execution_timeout_in_a_worker_reaches_its_cancel_handler(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.errors import QueryError
+    from tests.apps.pool_app import short
+    from tests.waiting import wait_until
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = start_supervisor(
+        workdir / "queue.db",
+        workdir / "s.sock",
+        "--app",
+        "tests.apps.pool_app:short",
+        "--workers",
+        "1",
+        "--cancel-grace",
+        "1",
+    )
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = short.pool_queue(driver)
+    try:
+        asked_at = time.monotonic()
+        with pytest.raises(QueryError, match="timeout"):
+            await _ask(queue, "sql", "slow", {"key": "slow", "seconds": 30})
+        assert time.monotonic() - asked_at < 10
+        trace = _trace(workdir)
+        (start,) = [t for t in trace if t[0] == "start"]
+        # The cancel handler ran in the worker that ran the query...
+        assert ["cancel", "slow", start[2]] in [t[:3] for t in trace]
+        # ...whose thread kept sleeping: the worker is terminated after the grace, replaced.
+        await wait_until(lambda: _stats_pool(driver, "terminated", 1), within=15)
+        await wait_until(lambda: _stats_pool(driver, "replaced", 1), within=15)
+        fresh = await _ask(queue, "sql", "quick", {"key": "quick", "seconds": 0})
+        assert fresh["pid"] != int(start[2])
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
+
+
+async def test_workers_are_recycled_above_max_memory(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.apps.pool_app import app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = _start_pool(workdir, 1, "--max-memory-per-worker", "150")
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = app.pool_queue(driver)
+    try:
+        small = [await _ask(queue, "hoard", f"s{i}", {"bytes": 1024}) for i in range(2)]
+        assert small[0] == small[1]  # well under the limit: the same worker
+        big = [await _ask(queue, "hoard", f"b{i}", {"bytes": 200 * 1024 * 1024}) for i in range(2)]
+        assert big[0] == small[0]  # over the limit only after this query...
+        assert big[1] != big[0]  # ...so the next one runs in a fresh worker
+        stats = (await driver.stats())["pool"]
+        assert stats["recycled"] >= 1 and stats["replaced"] == 0
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
+
+
+def test_each_event_loop_gets_its_own_client_queue(workdir: Path) -> None:
+    from supervisor.app import QueueApp
+
+    app = QueueApp("loops")
+    app.socket_path = workdir / "s.sock"
+
+    async def mine() -> Any:
+        queue = app.client_queue()
+        assert app.client_queue() is queue  # one per loop...
+        return queue
+
+    first, second = asyncio.run(mine()), asyncio.run(mine())
+    assert first is not second  # ...and a new loop never inherits a closed loop's queue

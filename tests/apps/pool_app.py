@@ -59,3 +59,39 @@ def stubborn(query: Any, set_cancel_handler: Any) -> str:
 @app.cancel_handler("stubborn")
 def cancel_stubborn(definition: dict[str, Any]) -> None:
     _trace("cancel", definition["query"]["key"], os.getpid(), time.monotonic())
+
+
+def big_text(size: int, seed: str) -> str:
+    """`size` characters the caller can re-create to check what arrived."""
+    block = "".join(f"{seed}:{i:08d};" for i in range(4096))
+    return (block * (size // len(block) + 1))[:size]
+
+
+@app.handler("big")
+def big(query: Any, set_cancel_handler: Any) -> str:
+    _trace("start", query["key"], os.getpid(), time.monotonic())
+    text = big_text(query["size"], query["key"])
+    _trace("end", query["key"], os.getpid(), time.monotonic())
+    return text
+
+
+_hoard: list[bytes] = []
+
+
+@app.handler("hoard")
+def hoard(query: Any, set_cancel_handler: Any) -> int:
+    """Keeps what it allocates, like a leaking extension would."""
+    _hoard.append(b"x" * query["bytes"])
+    return os.getpid()
+
+
+# A queue whose executions time out after half a second.
+short = QueueApp(
+    "short",
+    concurrency=1,
+    execution_timeout=0.5,
+    continue_wait_timeout=1.0,
+    heartbeat_interval=0.25,
+)
+short.handler("sql")(run)
+short.cancel_handler("sql")(cancel)

@@ -1,0 +1,380 @@
+"""Large results through shared memory: the worker writes, the store keeps a reference.
+
+A result whose JSON is at least `threshold` bytes does not travel through the socket. The
+worker asks the supervisor for a segment (`shm_alloc`), writes the JSON into it and ACKs
+with a small reference, `{"$shm": name, "gen": g, "size": n}`, which is all the store
+holds. Whoever reads the result gets the reference and copies the bytes out.
+
+The supervisor owns every segment (`SegmentPool`), so a crash of either side never leaks
+one:
+
+* a segment being written is leased to the writer's connection: if it hangs up before
+  its ACK, the segment goes back to the pool;
+* each delivery of a reference (a RESULT answer, or every parked RESULT_BLOCKING of a
+  deduplicated query) is a read lease of the reader's connection, released by the reader
+  after its copy or by its hang-up; a delivered segment returns to the pool once no
+  lease is left and a short grace (a re-sent read) has passed;
+* a result nobody reads is dropped with the store's result TTL;
+* after a supervisor crash the segments are still in /dev/shm: the next supervisor on
+  the same socket adopts them (their header carries the generation) so acknowledged
+  results stay readable, and unlinks them as usual.
+
+Segments are reused (power-of-two size classes, pre-touched when created, mapped with
+MAP_POPULATE): a fresh segment per result costs page faults that make it no faster than
+the socket. Every reuse bumps the generation written in the header, and a reader checks
+it before and after its copy, so a stale reference is an error, never wrong data.
+
+`multiprocessing.shared_memory.SharedMemory` registers every attach with a resource
+tracker that unlinks the segment when the *attaching* process exits (Python < 3.13), which
+would destroy results the supervisor owns; so segments are opened with the same
+`_posixshmem` calls it uses, without the tracker.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import contextlib
+import hashlib
+import mmap
+import os
+import secrets
+import struct
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from engine.errors import InvalidCommandError, StoreError
+
+DEFAULT_THRESHOLD = 1024 * 1024
+MIN_SEGMENT = 1024 * 1024
+HEADER = struct.Struct("<8sQ")  # magic, generation
+MAGIC = b"qqresult"
+REFERENCE_MARK = '{"$shm":'
+SHM_DIR = Path("/dev/shm")
+
+
+class SharedResultError(StoreError):
+    """A shared-memory result could not be written or read (segment gone or reused)."""
+
+
+def name_prefix(socket_path: str | Path) -> str:
+    """Segments of the supervisor serving `socket_path` start with this (no leading /)."""
+    digest = hashlib.sha1(str(Path(socket_path).resolve()).encode()).hexdigest()[:10]
+    return f"qq{digest}_"
+
+
+def _open(name: str, size: int | None) -> mmap.mmap:
+    """Map segment `name`; create it with `size` bytes when `size` is given."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
+    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+    try:
+        if size is not None:
+            os.ftruncate(fd, size)
+        length = os.fstat(fd).st_size
+        return mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink("/" + name)
+
+
+def reference(name: str, generation: int, size: int) -> str:
+    return orjson.dumps({"$shm": name, "gen": generation, "size": size}).decode()
+
+
+def parse_reference(text: Any) -> tuple[str, int, int] | None:
+    """(name, generation, size) when `text` is a shared-memory reference, else None."""
+    if not isinstance(text, str) or not text.startswith(REFERENCE_MARK) or len(text) > 512:
+        return None
+    try:
+        data = orjson.loads(text)
+        name, generation, size = data["$shm"], data["gen"], data["size"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(name, str) and isinstance(generation, int) and isinstance(size, int)):
+        return None
+    return name, generation, size
+
+
+# -- the supervisor's side -------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Segment:
+    name: str
+    capacity: int
+    memory: mmap.mmap
+    generation: int = 0
+    state: str = "free"  # free | writing | stored
+    writer: object | None = None
+    stored_at: float = 0.0
+    delivered_at: float | None = None  # last delivery or lease end
+    readers: Counter[object] = field(default_factory=Counter)
+
+
+class SegmentPool:
+    """Every shared-memory segment of one supervisor, and who may still touch each one."""
+
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        result_ttl: float = 300.0,
+        reread_grace: float = 2.0,
+        max_free_bytes: int = 256 * 1024 * 1024,
+        max_segment: int = 2 * 1024 * 1024 * 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.prefix = prefix
+        self.result_ttl = result_ttl
+        self.reread_grace = reread_grace
+        self.max_free_bytes = max_free_bytes
+        self.max_segment = max_segment
+        self.clock = clock
+        self._segments: dict[str, _Segment] = {}
+        self._token = secrets.token_hex(3)
+        self._serial = 0
+        self._generation = 0
+        self.created = 0
+        self.reused = 0
+
+    # Writers ------------------------------------------------------------------------------
+
+    def alloc(self, size: Any, writer: object) -> dict[str, Any]:
+        """A segment for a result of `size` bytes, leased to `writer` until its ACK."""
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidCommandError("shm_alloc: size must be a positive integer")
+        if size + HEADER.size > self.max_segment:
+            raise InvalidCommandError(
+                f"shm_alloc: a result of {size} bytes is over the limit of {self.max_segment}"
+            )
+        capacity = max(MIN_SEGMENT, 1 << (size + HEADER.size - 1).bit_length())
+        # The smallest free segment that fits: reused pages are already touched.
+        segment = min(
+            (s for s in self._segments.values() if s.state == "free" and s.capacity >= capacity),
+            key=lambda s: s.capacity,
+            default=None,
+        )
+        if segment is None:
+            segment = self._create(capacity)
+        else:
+            self.reused += 1
+        self._generation += 1
+        segment.generation = self._generation
+        HEADER.pack_into(segment.memory, 0, MAGIC, segment.generation)
+        segment.state, segment.writer = "writing", writer
+        segment.delivered_at, segment.readers = None, Counter()
+        return {"name": segment.name, "gen": segment.generation, "capacity": capacity}
+
+    def _create(self, capacity: int) -> _Segment:
+        self._serial += 1
+        name = f"{self.prefix}{self._token}{self._serial}"
+        memory = _open(name, capacity)
+        # Pre-touch: the tmpfs pages exist from now on, so every later write into this
+        # segment costs no page faults.
+        zeros = bytes(MIN_SEGMENT)
+        for offset in range(0, capacity, MIN_SEGMENT):
+            memory[offset : offset + MIN_SEGMENT] = zeros
+        segment = self._segments[name] = _Segment(name, capacity, memory)
+        self.created += 1
+        return segment
+
+    def acked(self, result: Any, success: bool) -> None:
+        """An ACK carrying a reference committed (`success`) or found no item."""
+        found = self._find(result)
+        if found is None:
+            return
+        if success:
+            found.state, found.writer, found.stored_at = "stored", None, self.clock()
+        else:
+            self._free(found)  # nothing will ever read it
+
+    def check_ack(self, result: Any) -> None:
+        """Before an ACK runs: its reference must name a segment holding that result."""
+        parsed = parse_reference(result)
+        if parsed is not None and self._find(result) is None:
+            raise SharedResultError(
+                f"the shared-memory segment of this result ({parsed[0]}, generation "
+                f"{parsed[1]}) is gone: its writer hung up before the ACK"
+            )
+
+    # Readers ------------------------------------------------------------------------------
+
+    def lease(self, result: Any, reader: object) -> bool:
+        """A reference is about to be delivered to `reader`: False if it is stale."""
+        segment = self._find(result)
+        if segment is None or segment.state != "stored":
+            return False
+        segment.readers[reader] += 1
+        segment.delivered_at = self.clock()
+        return True
+
+    def release(self, name: Any, generation: Any, reader: object) -> None:
+        segment = self._segments.get(name) if isinstance(name, str) else None
+        if segment is None or segment.generation != generation or not segment.readers[reader]:
+            return
+        segment.readers[reader] -= 1
+        if not segment.readers[reader]:
+            del segment.readers[reader]
+            segment.delivered_at = self.clock()  # the re-read grace starts now
+
+    def drop_owner(self, owner: object) -> None:
+        """`owner`'s connection closed: its write and read leases end."""
+        for segment in self._segments.values():
+            if segment.state == "writing" and segment.writer is owner:
+                self._free(segment)
+            elif segment.readers.pop(owner, None):
+                segment.delivered_at = self.clock()
+
+    # Housekeeping -------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Return to the pool what nobody can read any more; trim the pool."""
+        now = self.clock()
+        for segment in self._segments.values():
+            if segment.state != "stored" or segment.readers:
+                continue
+            if segment.delivered_at is not None:
+                if now - segment.delivered_at >= self.reread_grace:
+                    self._free(segment)
+            elif now - segment.stored_at >= self.result_ttl:
+                self._free(segment)
+        free = [s for s in self._segments.values() if s.state == "free"]
+        excess = sum(s.capacity for s in free) - self.max_free_bytes
+        for segment in sorted(free, key=lambda s: s.capacity, reverse=True):
+            if excess <= 0:
+                break
+            excess -= segment.capacity
+            self._destroy(segment)
+
+    def adopt(self, directory: Path = SHM_DIR) -> int:
+        """Take over the segments a crashed supervisor on this socket left behind."""
+        adopted = 0
+        if not directory.is_dir():
+            return 0
+        for path in directory.glob(self.prefix + "*"):
+            try:
+                memory = _open(path.name, None)
+            except OSError:
+                continue
+            magic, generation = HEADER.unpack_from(memory, 0)
+            if magic != MAGIC or generation <= 0:
+                memory.close()
+                _unlink(path.name)
+                continue
+            segment = _Segment(path.name, len(memory), memory, generation, "stored")
+            segment.stored_at = self.clock()
+            self._segments[path.name] = segment
+            self._generation = max(self._generation, generation)
+            adopted += 1
+        return adopted
+
+    def close(self, *, keep_stored: bool = True) -> None:
+        """At shutdown: unlink all but stored results nobody has read (the next supervisor
+        adopts those, so an acknowledged result survives a restart)."""
+        for segment in list(self._segments.values()):
+            if keep_stored and segment.state == "stored" and segment.delivered_at is None:
+                segment.memory.close()
+                continue
+            self._destroy(segment)
+        self._segments.clear()
+
+    def describe(self) -> dict[str, Any]:
+        states = Counter(s.state for s in self._segments.values())
+        return {
+            "segments": len(self._segments),
+            "free": states["free"],
+            "writing": states["writing"],
+            "stored": states["stored"],
+            "bytes": sum(s.capacity for s in self._segments.values()),
+            "created": self.created,
+            "reused": self.reused,
+        }
+
+    def _find(self, result: Any) -> _Segment | None:
+        parsed = parse_reference(result)
+        if parsed is None:
+            return None
+        name, generation, size = parsed
+        segment = self._segments.get(name)
+        if (
+            segment is None
+            or segment.generation != generation
+            or segment.state == "free"
+            or size > segment.capacity - HEADER.size
+        ):
+            return None
+        return segment
+
+    def _free(self, segment: _Segment) -> None:
+        segment.state, segment.writer = "free", None
+        segment.readers, segment.delivered_at = Counter(), None
+        self._generation += 1  # readers of the old content see a different generation
+        segment.generation = self._generation
+        HEADER.pack_into(segment.memory, 0, MAGIC, 0)
+
+    def _destroy(self, segment: _Segment) -> None:
+        self._segments.pop(segment.name, None)
+        segment.memory.close()
+        _unlink(segment.name)
+
+
+# -- the client's side --------------------------------------------------------------------------
+
+
+class SegmentMaps:
+    """A process's mappings of segments, kept while they are reused (bounded)."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+
+    def _map(self, name: str) -> mmap.mmap:
+        memory = self._maps.pop(name, None)
+        if memory is None:
+            try:
+                memory = _open(name, None)
+            except FileNotFoundError:
+                raise SharedResultError(f"shared-memory segment {name} is gone") from None
+        self._maps[name] = memory
+        while len(self._maps) > self.keep:
+            _, old = self._maps.popitem(last=False)
+            old.close()
+        return memory
+
+    def write(self, slot: dict[str, Any], data: bytes) -> str:
+        """Write `data` into the segment `shm_alloc` gave; the reference to ACK with."""
+        name, generation = slot["name"], slot["gen"]
+        memory = self._map(name)
+        if len(data) > len(memory) - HEADER.size or _generation(memory) != generation:
+            raise SharedResultError(f"shared-memory segment {name} is not ours to write")
+        memory[HEADER.size : HEADER.size + len(data)] = data
+        return reference(name, generation, len(data))
+
+    def read(self, ref: tuple[str, int, int]) -> str:
+        name, generation, size = ref
+        memory = self._map(name)
+        if _generation(memory) != generation or size > len(memory) - HEADER.size:
+            raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
+        text = memory[HEADER.size : HEADER.size + size].decode()
+        if _generation(memory) != generation:
+            raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
+        return text
+
+    def close(self) -> None:
+        for memory in self._maps.values():
+            memory.close()
+        self._maps.clear()
+
+
+def _generation(memory: mmap.mmap) -> int:
+    magic, generation = HEADER.unpack_from(memory, 0)
+    return int(generation) if magic == MAGIC else -1

@@ -1,0 +1,266 @@
+"""Large results through shared memory: segment lifecycle, leases, crashes of either side."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from engine.errors import InvalidCommandError, StoreError
+from engine.memory_store import MemoryQueueStore
+from supervisor.client import SocketQueueDriver
+from supervisor.protocol import encode_frame, read_frame
+from supervisor.server import QueueServer
+from supervisor.shm import (
+    HEADER,
+    SHM_DIR,
+    SegmentMaps,
+    SegmentPool,
+    SharedResultError,
+    name_prefix,
+    parse_reference,
+)
+from tests.waiting import wait_until
+
+MiB = 1024 * 1024
+
+
+def _segments(prefix: str) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(prefix + "*"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def prefix(workdir: Path) -> Iterator[str]:
+    value = name_prefix(workdir / "s.sock")
+    yield value
+    for name in _segments(value):  # a failed test must not leave segments on the machine
+        (SHM_DIR / name).unlink()
+
+
+def _write(pool: SegmentPool, maps: SegmentMaps, data: bytes, writer: object) -> str:
+    return maps.write(pool.alloc(len(data), writer), data)
+
+
+def test_a_result_is_freed_after_its_last_reader_releases_it(prefix: str) -> None:
+    clock = Clock()
+    pool = SegmentPool(prefix, clock=clock, reread_grace=2.0)
+    maps = SegmentMaps()
+    data = orjson.dumps({"result": "x" * (3 * MiB)})
+    ref = _write(pool, maps, data, "worker")
+    pool.acked(ref, success=True)
+    assert pool.describe()["stored"] == 1
+    # Two deduplicated waiters get the same reference.
+    assert pool.lease(ref, "reader-1") and pool.lease(ref, "reader-2")
+    parsed = parse_reference(ref)
+    assert parsed is not None
+    assert maps.read(parsed) == data.decode()
+    pool.release(parsed[0], parsed[1], "reader-1")
+    clock.now += 10
+    pool.sweep()
+    assert pool.describe()["stored"] == 1, "reader-2 still holds a lease"
+    pool.drop_owner("reader-2")  # its connection closed without a release
+    pool.sweep()
+    assert pool.describe()["stored"] == 1, "within the re-read grace"
+    clock.now += 2
+    pool.sweep()
+    assert pool.describe() | {"free": 1, "stored": 0} == pool.describe()
+    # The old reference is now stale: refused on delivery and on read.
+    assert not pool.lease(ref, "late")
+    with pytest.raises(SharedResultError, match="reused"):
+        maps.read(parsed)
+    # The free segment is reused (pre-touched, same name), with a new generation.
+    again = _write(pool, maps, b'"small"', "worker")
+    again_parsed = parse_reference(again)
+    assert again_parsed is not None
+    assert again_parsed[0] == parsed[0] and again_parsed[1] > parsed[1]
+    assert pool.describe()["reused"] == 1
+    maps.close()
+    pool.close()
+    assert _segments(prefix) == []
+
+
+def test_a_writer_that_hangs_up_before_its_ack_leaks_nothing(prefix: str) -> None:
+    pool = SegmentPool(prefix, clock=Clock())
+    maps = SegmentMaps()
+    ref = _write(pool, maps, b"[1,2,3]", "worker")
+    pool.drop_owner("worker")
+    assert pool.describe()["writing"] == 0 and pool.describe()["free"] == 1
+    with pytest.raises(StoreError, match="gone"):
+        pool.check_ack(ref)
+    pool.acked(ref, success=True)  # an ACK for a freed segment changes nothing
+    assert pool.describe()["stored"] == 0
+    # An ACK that found no item frees its segment at once.
+    other = _write(pool, maps, b"[4]", "worker")
+    pool.acked(other, success=False)
+    assert pool.describe()["free"] == 1
+    maps.close()
+    pool.close()
+    assert _segments(prefix) == []
+
+
+def test_an_unread_result_lives_as_long_as_the_stores_results(prefix: str) -> None:
+    clock = Clock()
+    pool = SegmentPool(prefix, clock=clock, result_ttl=300.0)
+    maps = SegmentMaps()
+    pool.acked(_write(pool, maps, b'"unread"', "worker"), success=True)
+    clock.now += 299
+    pool.sweep()
+    assert pool.describe()["stored"] == 1
+    clock.now += 1
+    pool.sweep()
+    assert pool.describe()["stored"] == 0
+    maps.close()
+    pool.close()
+
+
+def test_the_free_pool_is_trimmed_and_bad_sizes_are_refused(prefix: str) -> None:
+    pool = SegmentPool(prefix, clock=Clock(), max_free_bytes=2 * MiB, max_segment=64 * MiB)
+    for size in (0, -1, "big", True):
+        with pytest.raises(InvalidCommandError, match="size"):
+            pool.alloc(size, "w")
+    with pytest.raises(InvalidCommandError, match="over the limit"):
+        pool.alloc(64 * MiB, "w")
+    for size in (MiB // 2, 3 * MiB, 5 * MiB):
+        pool.alloc(size, "w")
+    assert len(_segments(prefix)) == 3
+    pool.drop_owner("w")
+    pool.sweep()
+    # 1 + 4 + 8 MiB free, 2 MiB allowed: the big ones go.
+    assert pool.describe()["segments"] == 1 and len(_segments(prefix)) == 1
+    pool.close()
+    assert _segments(prefix) == []
+
+
+def test_a_restarted_supervisor_adopts_acknowledged_results(prefix: str) -> None:
+    maps = SegmentMaps()
+    first = SegmentPool(prefix, clock=Clock())
+    ref = _write(first, maps, b'{"result":"survives"}', "worker")
+    first.acked(ref, success=True)
+    first.alloc(10, "someone")
+    first.drop_owner("someone")  # a free segment: not worth keeping
+    first.close()  # what a crash leaves behind, minus the free ones
+    maps.close()
+    assert len(_segments(prefix)) == 1
+    second = SegmentPool(prefix, clock=Clock())
+    assert second.adopt() == 1
+    assert second.lease(ref, "reader")
+    parsed = parse_reference(ref)
+    assert parsed is not None
+    assert SegmentMaps().read(parsed) == '{"result":"survives"}'
+    second.close(keep_stored=False)
+    assert _segments(prefix) == []
+
+
+# -- through a real server -----------------------------------------------------------------
+
+
+@pytest.fixture
+async def server(workdir: Path) -> AsyncIterator[QueueServer]:
+    server = QueueServer(MemoryQueueStore(), workdir / "s.sock")
+    server.segments.reread_grace = 0.0
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+    assert _segments(server.segments.prefix) == []
+
+
+def _swept_free(server: QueueServer) -> int:
+    server.segments.sweep()
+    return int(server.segments.describe()["free"])
+
+
+async def test_deduplicated_waiters_all_read_one_large_result(server: QueueServer) -> None:
+    writer = SocketQueueDriver(server.socket_path, shm_threshold=MiB)
+    readers = [SocketQueueDriver(server.socket_path) for _ in range(3)]
+    value = orjson.dumps({"result": [str(i) * 40 for i in range(40_000)]}).decode()
+    assert len(value) > MiB
+    added = await writer.add("p:big", "{}")
+    polls = [
+        asyncio.ensure_future(r.result_blocking(added.id, 10_000) if i else r.result("p:big"))
+        for i, r in enumerate(readers)
+    ]
+    await asyncio.sleep(0)
+    assert (await writer.ack(added.id, value)).success
+    # The store holds only a reference.
+    stored = server.store.result(added.id)
+    assert stored is not None and parse_reference(stored.payload) is not None
+    answers = await asyncio.gather(*polls)
+    assert all(a is not None and a.payload == value for a in answers[1:])
+    assert server.segments.describe()["stored"] == 1
+    await wait_until(lambda: _swept_free(server) == 1)
+    for driver in [writer, *readers]:
+        await driver.close()
+
+
+async def test_a_reader_that_hangs_up_holding_a_lease_releases_it(server: QueueServer) -> None:
+    writer = SocketQueueDriver(server.socket_path, shm_threshold=1024)
+    added = await writer.add("p:big", "{}")
+    value = orjson.dumps({"result": "y" * 5000}).decode()
+    assert (await writer.ack(added.id, value)).success
+    reader, stream = await asyncio.open_unix_connection(str(server.socket_path))
+    stream.write(encode_frame({"id": 1, "cmd": "result", "args": ["p:big"], "kwargs": {}}))
+    reply = orjson.loads(await read_frame(reader, 1 << 20) or b"null")
+    assert parse_reference(reply["ok"]["payload"]) is not None
+    server.segments.sweep()
+    assert server.segments.describe()["stored"] == 1, "leased to the raw reader"
+    stream.close()  # dies without a release
+    await wait_until(lambda: _swept_free(server) == 1)
+    await writer.close()
+
+
+async def test_small_results_and_a_disabled_threshold_stay_inline(server: QueueServer) -> None:
+    driver = SocketQueueDriver(server.socket_path, shm_threshold=None)
+    added = await driver.add("p:k", "{}")
+    big = orjson.dumps({"result": "z" * (2 * MiB)}).decode()
+    assert (await driver.ack(added.id, big)).success
+    found = await driver.result(added.id)
+    assert found is not None and found.payload == big
+    assert server.segments.describe()["segments"] == 0
+    await driver.close()
+
+
+def test_segment_header_is_the_documented_size() -> None:
+    # Readers and writers in other processes rely on the layout.
+    assert HEADER.size == 16
+    assert os.sep == "/"
+
+
+async def test_an_acknowledged_large_result_survives_a_supervisor_kill_9(
+    workdir: Path, prefix: str
+) -> None:
+    from tests.supervisor_util import start_supervisor
+
+    supervisor = start_supervisor(workdir / "queue.db", workdir / "s.sock")
+    driver = SocketQueueDriver(supervisor.socket_path, shm_threshold=1024)
+    value = orjson.dumps({"result": "w" * (2 * MiB)}).decode()
+    try:
+        added = await driver.add("p:kept", "{}")
+        assert (await driver.ack(added.id, value)).success
+        supervisor.kill9()
+        assert len(_segments(prefix)) == 1  # the segment outlived its owner
+        supervisor = start_supervisor(workdir / "queue.db", workdir / "s.sock")
+        found = await driver.result("p:kept")  # reconnects to the new supervisor
+        assert found is not None and found.payload == value
+        await wait_until(lambda: _stored_segments(driver, 0), within=15)
+    finally:
+        await driver.close()
+        assert supervisor.stop() == 0
+    assert _segments(prefix) == []
+
+
+async def _stored_segments(driver: SocketQueueDriver, count: int) -> bool:
+    return bool((await driver.stats())["shared_memory"]["stored"] == count)
