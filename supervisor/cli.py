@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
 
 from engine.errors import QueueError
 from supervisor.paths import SOCKET_ENV, default_socket_path
+from supervisor.tables import table
 
 
 def _socket_option(parser: argparse.ArgumentParser) -> None:
@@ -26,9 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="run the demo workload on a temporary SQLite queue")
-    demo.add_argument("--requests", type=int, default=200, help="queries to submit")
-    demo.add_argument("--concurrency", type=int, default=4, help="queries run at once")
-    demo.add_argument("--db", default=None, help="queue database (default: a temp file)")
+    demo.add_argument("--requests", type=int, default=400, help="queries to submit")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes")
+    demo.add_argument("--rows", type=int, default=1_000_000, help="rows in the warehouse")
+    demo.add_argument("--clients", type=int, default=4, help="request processes")
+    demo.add_argument("--users", type=int, default=8, help="concurrent users per process")
 
     sup = commands.add_parser("supervisor", help="host the queue store and serve it on a socket")
     sup.add_argument("--db", type=Path, required=True, help="SQLite queue database")
@@ -103,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from supervisor.demo import run_demo
 
-    return run_demo(requests=args.requests, concurrency=args.concurrency, db=args.db)
+    return run_demo(
+        requests=args.requests,
+        workers=args.workers,
+        rows=args.rows,
+        clients=args.clients,
+        users=args.users,
+    )
 
 
 async def _status(socket_path: Path) -> int:
@@ -123,12 +131,12 @@ async def _status(socket_path: Path) -> int:
         [p["prefix"], p["pending"], p["active"], _age(p["oldest_age_ms"])]
         for p in stats["prefixes"]
     ]
-    print(_table(["prefix", "pending", "active", "oldest"], rows))
+    print(table(["prefix", "pending", "active", "oldest"], rows))
     kinds = [
         [name, k["count"], k["errors"], k["p50_ms"], k["p99_ms"]]
         for name, k in stats["commands"].items()
     ]
-    print(_table(["command", "count", "errors", "p50 ms", "p99 ms"], kinds))
+    print(table(["command", "count", "errors", "p50 ms", "p99 ms"], kinds))
     return 0
 
 
@@ -142,21 +150,13 @@ async def _sql(socket_path: Path, text: str) -> int:
         await driver.close()
     if rows:
         columns = list(rows[0])
-        print(_table(columns, [[row.get(c) for c in columns] for row in rows]))
+        print(table(columns, [[row.get(c) for c in columns] for row in rows]))
     print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
     return 0
 
 
 def _age(ms: int | None) -> str:
     return "-" if ms is None else f"{ms / 1000:.1f} s"
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    cells = [header] + [["NULL" if v is None else str(v) for v in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = [" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class WorkerPool:
         self.max_memory_per_worker = max_memory_per_worker
         self.terminated = 0
         self.recycled = 0
+        self.handed_off = 0
         self._context = multiprocess.get_context("spawn")
         self._workers: list[_Worker] = []
         self._backlog: deque[_Job] = deque()
@@ -134,6 +135,7 @@ class WorkerPool:
                 for w in self._workers
             ],
             "backlog": len(self._backlog),
+            "handed_off": self.handed_off,
             "replaced": self.replaced,
             "terminated": self.terminated,
             "recycled": self.recycled,
@@ -170,6 +172,7 @@ class WorkerPool:
         if self._stopping:
             raise RuntimeError("the worker pool is stopping")
         self._backlog.append(_Job(queue_id, blob))
+        self.handed_off += 1
         self._assign()
 
     def _assign(self) -> None:
