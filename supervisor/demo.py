@@ -23,10 +23,7 @@ import multiprocessing
 import os
 import queue as stdlib_queue
 import random
-import signal
-import socket
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from supervisor.launch import launch
 
 REGIONS = [f"region-{i}" for i in range(8)]
 PRODUCTS = [f"product-{i:02d}" for i in range(50)]
@@ -330,40 +329,27 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
     make_warehouse(warehouse, rows)
     timeout = 3.0 + 2.0 * rows / 1_000_000  # the heaviest report stays well under it
     socket_path = tmp / "supervisor.sock"
-    log = tmp / "supervisor.log"
     env = {
         **os.environ,
         "QUERYQUEUE_DEMO_TIMEOUT": str(timeout),
         "QUERYQUEUE_DEMO_CONCURRENCY": str(workers),
     }
-    with open(log, "wb") as out:
-        supervisor = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "supervisor.cli",
-                "supervisor",
-                "--db",
-                str(tmp / "queue.db"),
-                "--socket",
-                str(socket_path),
-                "--app",
-                "supervisor.demo_app:app",
-                "--workers",
-                str(workers),
-                "--cancel-grace",
-                "2",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    supervisor = launch(
+        tmp / "queue.db",
+        socket_path,
+        "--app",
+        "supervisor.demo_app:app",
+        "--workers",
+        str(workers),
+        "--cancel-grace",
+        "2",
+        env=env,
+    )
     # The request processes reconcile with the same settings the workers execute with.
     settings = {"concurrency": workers, "execution_timeout": timeout}
     context = multiprocessing.get_context("spawn")
     processes: list[Any] = []
     try:
-        _wait_for_socket(supervisor, socket_path, log)
         print(
             f"supervisor pid {supervisor.pid} with {workers} workers on {tmp / 'queue.db'}; "
             f"{clients} request processes x {users} users submit {requests} queries",
@@ -401,7 +387,7 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
             if process.is_alive():
                 process.kill()
                 process.join(10)
-        _stop(supervisor)
+        supervisor.stop()
     print("checking every result against a direct execution ...", flush=True)
     expected = {
         sql: digest(_direct(warehouse, sql))
@@ -417,30 +403,6 @@ def _direct(warehouse: Path, sql: str) -> list[list[Any]]:
     from supervisor.demo_app import run_sql
 
     return run_sql(str(warehouse), sql)
-
-
-def _wait_for_socket(supervisor: subprocess.Popen[bytes], socket_path: Path, log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if supervisor.poll() is not None:
-            raise RuntimeError(f"the supervisor exited: {log.read_text()[-2000:]}")
-        with socket.socket(socket.AF_UNIX) as probe:
-            try:
-                probe.connect(str(socket_path))
-                return
-            except OSError:
-                time.sleep(0.05)
-    raise RuntimeError("the supervisor did not start within 30 s")
-
-
-def _stop(supervisor: subprocess.Popen[bytes]) -> None:
-    if supervisor.poll() is None:
-        supervisor.send_signal(signal.SIGTERM)
-        try:
-            supervisor.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            supervisor.kill()
-            supervisor.wait(timeout=10)
 
 
 async def _stats(socket_path: Path) -> dict[str, Any]:

@@ -33,6 +33,9 @@ REQUESTS = textwrap.dedent(
 
     go, keys = Path(sys.argv[1]), sys.argv[2].split(",")
     seconds = float(sys.argv[3])
+    # Wait for results without going back in between: a caller that retries after another
+    # process consumed the result (by path, once) would enqueue the query again, by design.
+    app.queue_options["continue_wait_timeout"] = float(sys.argv[4])
 
     async def ask(key):
         while True:
@@ -112,7 +115,7 @@ def test_requests_from_many_processes_run_once_in_the_pool_within_concurrency(
     go = workdir / "go"
     clients = [
         subprocess.Popen(
-            [sys.executable, "-c", REQUESTS, str(go), ",".join(keys), "0.3"],
+            [sys.executable, "-c", REQUESTS, str(go), ",".join(keys), "0.3", "30"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -162,7 +165,7 @@ def test_a_killed_worker_is_replaced_and_its_item_reclaimed_at_once(
     go = workdir / "go"
     go.touch()
     client = subprocess.Popen(
-        [sys.executable, "-c", REQUESTS, str(go), "slow", "30"],
+        [sys.executable, "-c", REQUESTS, str(go), "slow", "30", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
