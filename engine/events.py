@@ -47,16 +47,15 @@ class Events:
     def __init__(self, logger: EventLogger | None = None) -> None:
         self._logger = logger
 
+    def wanted(self, message: str) -> bool:
+        """Does anyone listen for `message`? Fields that cost a store round trip (the
+        queue listing of "Waiting for query") are only gathered for a listener."""
+        return self._logger is not None or _log.isEnabledFor(_level(message))
+
     def emit(self, message: str, fields: dict[str, Any]) -> None:
         if self._logger is not None:
             self._logger(message, fields)
-        level = (
-            logging.ERROR
-            if message in _ERRORS
-            else logging.WARNING
-            if message in _WARNINGS
-            else logging.DEBUG
-        )
+        level = _level(message)
         if _log.isEnabledFor(level):
             _log.log(
                 level,
@@ -65,3 +64,9 @@ class Events:
                 fields,
                 extra={"queue_event": message, "queue_fields": fields},
             )
+
+
+def _level(message: str) -> int:
+    if message in _ERRORS:
+        return logging.ERROR
+    return logging.WARNING if message in _WARNINGS else logging.DEBUG

@@ -40,6 +40,8 @@ SendProcessMessage = Callable[[RetrievedQuery], Awaitable[None]]
 SendCancelMessage = Callable[[QueryDef, QueueId | None], Awaitable[None]]
 
 STREAM_HANDLER = "stream"
+REAP_INTERVAL_MS = 1000
+
 # The fast track is for latency-sensitive work: QueryCache submits user queries at 10.
 FAST_TRACK_PRIORITY = 10
 HEARTBEAT_LOG_INTERVAL = 5 * 60.0
@@ -125,6 +127,7 @@ class QueryQueue:
         self._reconcile_task: asyncio.Task[None] | None = None
         self._reconcile_again = False
         self.reconcile_runs = 0  # completed reconcileQueueImpl runs, for stats and tests
+        self._reaped_at: int | None = None  # when this process last looked for stalled items
         self._executions: dict[QueueId, _Execution] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
@@ -257,7 +260,10 @@ class QueryQueue:
                             "queryKey": existing.get("queryKey"),
                             "waitingForRequestId": existing.get("requestId"),
                         }
-                active_keys, to_process, _ = await conn.get_query_stage_state(True)
+                if self.events.wanted(ev.WAITING_FOR_QUERY):
+                    active_keys, to_process, _ = await conn.get_query_stage_state(True)
+                else:  # a listing of the whole queue per request, for nobody: skipped
+                    active_keys, to_process = [], []
             waiting_context = context
             self.events.emit(
                 ev.WAITING_FOR_QUERY,
@@ -315,12 +321,21 @@ class QueryQueue:
 
     async def _reconcile_queue_impl(self) -> None:
         conn = self.connection
-        to_cancel = await conn.get_queries_to_cancel()
-        if to_cancel:
-            await asyncio.gather(*(self._remove_orphaned(h, q) for h, q in to_cancel))
-        active = await conn.get_active_queries()
+        # Stalled and orphaned items are looked for at most once per REAP_INTERVAL_MS per
+        # process: their timeouts are tens of seconds, and every process reconciles, so
+        # this costs a reaped item at most that much more life and saves a round trip on
+        # the path of every query.
+        now = self.clock.now_ms()
+        if self._reaped_at is None or now - self._reaped_at >= REAP_INTERVAL_MS:
+            self._reaped_at = now
+            to_cancel = await conn.get_queries_to_cancel()
+            if to_cancel:
+                await asyncio.gather(*(self._remove_orphaned(h, q) for h, q in to_cancel))
+        # One round trip for both listings: PENDING's limit is trimmed once ACTIVE is known.
+        active, to_process = await asyncio.gather(
+            conn.get_active_queries(), conn.get_to_process_queries(limit=self.concurrency)
+        )
         to_process_limit = 1 if len(active) >= self.concurrency else self.concurrency - len(active)
-        to_process = await conn.get_to_process_queries(limit=to_process_limit)
         # The store hides other processes' persistent items already; the suffix check keeps
         # the design's rule explicit should a driver not.
         mine = [

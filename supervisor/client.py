@@ -93,6 +93,7 @@ class _Link:
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.task = asyncio.ensure_future(self._read(max_frame))
         self.alive = True
+        self.outbox: list[bytes] = []
 
     async def _read(self, max_frame: int) -> None:
         try:
@@ -115,6 +116,21 @@ class _Link:
             self.pending.clear()
             with contextlib.suppress(Exception):
                 self.writer.close()
+
+    def send(self, frame: bytes) -> None:
+        # Requests made in one loop iteration leave in one write (one syscall).
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.outbox.append(frame)
+
+    def _flush(self) -> None:
+        frames, self.outbox = self.outbox, []
+        if not frames or not self.alive:
+            return
+        try:
+            self.writer.write(b"".join(frames))
+        except (ConnectionError, RuntimeError):
+            self.close()  # the reader fails what was pending
 
     def close(self) -> None:
         self.alive = False
@@ -206,11 +222,10 @@ class SocketQueueDriver:
         request_id = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         link.pending[request_id] = future
-        try:
-            link.writer.write(encode_frame({**message, "id": request_id}))
-        except (ConnectionError, RuntimeError):
+        if not link.alive:
             link.pending.pop(request_id, None)
-            raise _ConnectionLost() from None
+            raise _ConnectionLost()
+        link.send(encode_frame({**message, "id": request_id}))
         try:
             return await wait_within(future, answer_within)
         except TimeoutError:

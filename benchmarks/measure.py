@@ -1,0 +1,113 @@
+"""Measuring a process tree: CPU seconds and peak memory, across every process.
+
+Standalone (stdlib and psutil only): the peer runner imports it inside the peers' own
+virtual environments too, so every system is measured by the same code.
+
+CPU: the sum, over the measuring process and its live descendants, of their own CPU time
+plus that of the children they already reaped (a reaped child's time moves to its
+parent), so processes that start and end inside the window are counted. Memory: the
+largest sum of RSS over the tree (plus any `extra` processes, e.g. a Redis server) seen by
+a sampler every 20 ms; shared pages count once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import psutil
+
+
+def _tree(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return [root]
+
+
+def cpu_seconds(processes: Iterable[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+class TreeMeter:
+    """`with TreeMeter() as meter: ...` then `meter.cpu_s`, `meter.peak_rss`."""
+
+    def __init__(self, extra_pids: Sequence[int] = (), interval: float = 0.02) -> None:
+        self.root = psutil.Process(os.getpid())
+        self.extra = [psutil.Process(pid) for pid in extra_pids if psutil.pid_exists(pid)]
+        self.interval = interval
+        self.cpu_s = 0.0
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._start_cpu = 0.0
+
+    def _processes(self) -> list[psutil.Process]:
+        return _tree(self.root) + self.extra
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak_rss = max(self.peak_rss, rss(self._processes()))
+
+    def __enter__(self) -> TreeMeter:
+        self._start_cpu = cpu_seconds(self._processes())
+        self.peak_rss = rss(self._processes())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        processes = self._processes()
+        self.peak_rss = max(self.peak_rss, rss(processes))
+        self.cpu_s = cpu_seconds(processes) - self._start_cpu
+
+
+def rss(processes: Iterable[psutil.Process]) -> int:
+    total = 0
+    for process in processes:
+        try:
+            total += int(process.memory_info().rss)
+        except psutil.Error:
+            continue
+    return total
+
+
+def redis_server_pids() -> list[int]:
+    found = []
+    for process in psutil.process_iter(["name"]):
+        if process.info["name"] and process.info["name"].startswith("redis-server"):
+            found.append(process.pid)
+    return found
+
+
+def quantiles(samples: Sequence[float]) -> dict[str, float]:
+    """p50/p90/p99/max of latencies in seconds, as milliseconds."""
+    if not samples:
+        return {}
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)
+
+    return {"p50_ms": at(0.5), "p90_ms": at(0.9), "p99_ms": at(0.99), "max_ms": at(1.0)}
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Median and min-max of repetitions."""
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+        "samples": [round(v, 3) for v in values],
+    }

@@ -1,0 +1,455 @@
+"""The workloads on queryqueue: a real supervisor with its worker pool, and request
+processes that submit through `QueueApp.pool_queue`, exactly as an application would."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.measure import TreeMeter, quantiles, spread
+from supervisor.launch import SupervisorProcess, launch
+
+APP = "benchmarks.bench_app:app"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Job:
+    handler: str
+    key: Any
+    query: Any
+    priority: int = 0
+
+
+# -- request processes ------------------------------------------------------------------------
+
+
+def _producer(
+    index: int,
+    socket_path: str,
+    jobs: list[Job],
+    in_flight: int,
+    spacing: float,
+    ready: Any,
+    go: Any,
+    leave: Any,
+    out: Any,
+) -> None:
+    asyncio.run(_produce(index, socket_path, jobs, in_flight, spacing, ready, go, leave, out))
+
+
+async def _produce(
+    index: int,
+    socket_path: str,
+    jobs: list[Job],
+    in_flight: int,
+    spacing: float,
+    ready: Any,
+    go: Any,
+    leave: Any,
+    out: Any,
+) -> None:
+    from benchmarks.bench_app import app
+    from engine.errors import ContinueWaitError
+    from supervisor.client import SocketQueueDriver
+
+    driver = SocketQueueDriver(socket_path)
+    queue = app.pool_queue(driver)
+    await driver.call("ping")  # connected before the clock starts
+    ready.put(1)
+    await asyncio.to_thread(go.wait)
+    slots = asyncio.Semaphore(in_flight)
+    records: list[tuple[float, float, bool]] = []
+
+    async def one(job: Job) -> None:
+        async with slots:
+            started = time.time()
+            ok = True
+            while True:
+                try:
+                    await queue.execute_in_queue(job.handler, job.key, job.query, job.priority)
+                    break
+                except ContinueWaitError:
+                    continue
+                except Exception:
+                    ok = False
+                    break
+            records.append((started, time.time(), ok))
+
+    tasks = []
+    for job in jobs:
+        tasks.append(asyncio.ensure_future(one(job)))
+        await asyncio.sleep(spacing)
+    await asyncio.gather(*tasks)
+    out.put((index, records))
+    await asyncio.to_thread(leave.wait)  # stay alive until the meter has read our CPU time
+    await queue.shutdown(grace=0)
+    await driver.close()
+
+
+@dataclass
+class Run:
+    by_share: list[list[tuple[float, float, bool]]]
+    cpu_s: float
+    peak_rss: int
+    stats_before: dict[str, Any]
+    stats_after: dict[str, Any]
+
+    @property
+    def records(self) -> list[tuple[float, float, bool]]:
+        return [r for share in self.by_share for r in share]
+
+    @property
+    def wall(self) -> float:
+        return max(r[1] for r in self.records) - min(r[0] for r in self.records)
+
+    @property
+    def latencies(self) -> list[float]:
+        return [r[1] - r[0] for r in self.records]
+
+    @property
+    def errors(self) -> int:
+        return sum(not r[2] for r in self.records)
+
+    @property
+    def executions(self) -> int:
+        return int(self.stats_after["pool"]["handed_off"] - self.stats_before["pool"]["handed_off"])
+
+    @property
+    def commands(self) -> int:
+        return int(self.stats_after["commands_total"] - self.stats_before["commands_total"])
+
+
+def stats(socket_path: Path) -> dict[str, Any]:
+    from supervisor.client import SocketQueueDriver
+
+    async def ask() -> dict[str, Any]:
+        driver = SocketQueueDriver(socket_path)
+        try:
+            return await driver.stats()
+        finally:
+            await driver.close()
+
+    return asyncio.run(ask())
+
+
+def drive(
+    supervisor: SupervisorProcess,
+    shares: list[list[Job]],
+    *,
+    in_flight: int,
+    spacing: list[float] | None = None,
+    start_offsets: list[float] | None = None,
+) -> Run:
+    """Run one list of jobs per request process, all starting together; measured from the
+    moment they are told to go to the moment the last result arrived."""
+    context = multiprocessing.get_context("spawn")
+    ready, out = context.Queue(), context.Queue()
+    leave = context.Event()
+    gos = [context.Event() for _ in shares]
+    processes = [
+        context.Process(
+            target=_producer,
+            args=(
+                i,
+                str(supervisor.socket_path),
+                jobs,
+                in_flight,
+                (spacing or [0.0] * len(shares))[i],
+                ready,
+                gos[i],
+                leave,
+                out,
+            ),
+            daemon=True,
+        )
+        for i, jobs in enumerate(shares)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        for _ in processes:
+            ready.get(timeout=60)
+        before = stats(supervisor.socket_path)
+        by_share: list[list[tuple[float, float, bool]]] = [[] for _ in shares]
+        with TreeMeter() as meter:
+            began = time.monotonic()
+            offsets = start_offsets or [0.0] * len(shares)
+            for go, offset in sorted(zip(gos, offsets, strict=True), key=lambda g: g[1]):
+                time.sleep(max(0.0, began + offset - time.monotonic()))
+                go.set()
+            for _ in processes:
+                index, records = out.get(timeout=3600)
+                by_share[index] = records
+            after = stats(supervisor.socket_path)
+        leave.set()
+    finally:
+        leave.set()
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+    return Run(by_share, meter.cpu_s, meter.peak_rss, before, after)
+
+
+@contextmanager
+def supervisor_for(*options: str, warm: bool = True) -> Iterator[SupervisorProcess]:
+    """A fresh store and pool (2 workers) per use, warmed up, stopped by pid afterwards."""
+    with tempfile.TemporaryDirectory(prefix="qq-bench-", dir="/tmp") as tmp:
+        supervisor = launch(
+            Path(tmp) / "queue.db",
+            Path(tmp) / "s.sock",
+            "--app",
+            APP,
+            "--workers",
+            "2",
+            *options,
+        )
+        try:
+            if warm:
+                drive(
+                    supervisor, [[Job("noop", ["warm", i], {}) for i in range(200)]], in_flight=16
+                )
+            yield supervisor
+        finally:
+            supervisor.stop()
+
+
+def _noop_shares(n: int, processes: int, tag: str) -> list[list[Job]]:
+    return [[Job("noop", [tag, p, i], {}) for i in range(n // processes)] for p in range(processes)]
+
+
+# -- workloads -------------------------------------------------------------------------------------
+
+
+def throughput(n: int, reps: int, producers: int = 4, in_flight: int = 64) -> list[dict[str, Any]]:
+    rows = []
+    for synchronous in ("NORMAL", "FULL"):
+        runs = []
+        for rep in range(reps):
+            with supervisor_for("--synchronous", synchronous) as supervisor:
+                runs.append(
+                    drive(supervisor, _noop_shares(n, producers, f"t{rep}"), in_flight=in_flight)
+                )
+        rows.append(
+            _row(
+                "throughput",
+                f"queryqueue (SQLite {synchronous})",
+                runs,
+                n,
+                settings=f"2 workers, {producers} request processes x {in_flight} in flight, "
+                f"concurrency 2, synchronous={synchronous}",
+                metric=("queries/s", [len(r.records) / r.wall for r in runs]),
+            )
+        )
+    return rows
+
+
+def idle_latency(n: int, reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for priority, label in ((10, "fast track (priority 10)"), (0, "queued (priority 0)")):
+        runs = []
+        for rep in range(reps):
+            with supervisor_for() as supervisor:
+                jobs = [Job("noop", ["lat", rep, i], {}, priority) for i in range(n)]
+                runs.append(drive(supervisor, [jobs], in_flight=1))
+        rows.append(
+            _row(
+                "idle_latency",
+                f"queryqueue, {label}",
+                runs,
+                n,
+                settings="one caller, sequential, SQLite NORMAL, 2 workers",
+                metric=("p50 ms", [quantiles(r.latencies)["p50_ms"] for r in runs]),
+                latency=True,
+            )
+        )
+    return rows
+
+
+def dedup_storm(n: int, reps: int, processes: int = 8) -> list[dict[str, Any]]:
+    runs = []
+    for rep in range(reps):
+        with supervisor_for() as supervisor:
+            shares = [
+                [Job("sleep", ["storm", rep], {"seconds": 0.2}) for _ in range(n // processes)]
+                for _ in range(processes)
+            ]
+            runs.append(drive(supervisor, shares, in_flight=n))
+    row = _row(
+        "dedup_storm",
+        "queryqueue",
+        runs,
+        n,
+        settings=f"{n} identical requests from {processes} processes at once, a 200 ms query",
+        metric=("executions", [float(r.executions) for r in runs]),
+        latency=True,
+    )
+    return [row]
+
+
+def priority_burst(backlog: int, urgent: int, reps: int) -> list[dict[str, Any]]:
+    """A backlog of 20 ms priority-0 queries, then `urgent` arrivals 50 ms apart: their wait,
+    at priority 10 and (control) at priority 0."""
+    rows = []
+    for priority in (10, 0):
+        runs = []
+        for rep in range(reps):
+            with supervisor_for() as supervisor:
+                background = [
+                    Job("sleep", ["bg", rep, priority, i], {"seconds": 0.02})
+                    for i in range(backlog)
+                ]
+                arrivals = [
+                    Job("noop", ["urgent", rep, priority, i], {}, priority) for i in range(urgent)
+                ]
+                run = drive(
+                    supervisor,
+                    [background, arrivals],
+                    in_flight=backlog,
+                    spacing=[0.0, 0.05],
+                    start_offsets=[0.0, 0.5],
+                )
+                runs.append(run)
+        rows.append(
+            _row(
+                "priority_burst",
+                f"queryqueue, arrivals at priority {priority}"
+                + (" (control)" if priority == 0 else ""),
+                runs,
+                urgent,
+                settings=f"{backlog} x 20 ms priority-0 backlog on 2 workers (concurrency 2), "
+                f"then {urgent} arrivals 50 ms apart",
+                metric=("p50 wait ms", [quantiles(_waits(r))["p50_ms"] for r in runs]),
+                latency_of=_waits,
+            )
+        )
+    return rows
+
+
+def _waits(run: Run) -> list[float]:
+    """The arrivals' waits (the second request process), not the backlog's."""
+    return [end - start for start, end, _ in run.by_share[1]]
+
+
+def large_results(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for label, options in (
+        ("queryqueue (shared memory)", ()),
+        ("queryqueue (through the socket)", ("--shm-threshold", "0")),
+    ):
+        for size in sizes_mib:
+            runs = []
+            with supervisor_for(*options) as supervisor:
+                # Warm: the worker makes the blob once, the segment pool has a fitting one.
+                drive(
+                    supervisor, [[Job("blob", ["warm", size], {"size": size * MiB})]], in_flight=1
+                )
+                for rep in range(reps):
+                    job = Job("blob", ["blob", size, rep], {"size": size * MiB})
+                    runs.append(drive(supervisor, [[job]], in_flight=1))
+            rows.append(
+                _row(
+                    "large_results",
+                    f"{label}, {size} MiB",
+                    runs,
+                    1,
+                    settings="one caller; time from enqueue to the decoded result",
+                    metric=("GB/s", [size * MiB / r.latencies[0] / 1e9 for r in runs]),
+                )
+            )
+    return rows
+
+
+def soak(n: int, producers: int = 4, in_flight: int = 64) -> list[dict[str, Any]]:
+    with supervisor_for() as supervisor:
+        pid = supervisor.pid
+        samples: list[tuple[float, int]] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            process = psutil.Process(pid)
+            while not stop.wait(0.5):
+                samples.append((time.monotonic(), int(process.memory_info().rss)))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        begin_rss = int(psutil.Process(pid).memory_info().rss)
+        sampler.start()
+        try:
+            run = drive(supervisor, _noop_shares(n, producers, "soak"), in_flight=in_flight)
+        finally:
+            stop.set()
+            sampler.join()
+        db = supervisor.db
+        wal = db.with_name(db.name + "-wal")
+        sizes = {
+            "db_mb": round(db.stat().st_size / MiB, 2),
+            "wal_mb": round(wal.stat().st_size / MiB, 2) if wal.exists() else 0.0,
+        }
+    middle = samples[len(samples) // 2][1] if samples else begin_rss
+    end = samples[-1][1] if samples else begin_rss
+    row = _row(
+        "soak",
+        "queryqueue (SQLite NORMAL)",
+        [run],
+        n,
+        settings=f"2 workers, {producers} request processes x {in_flight} in flight",
+        metric=("queries/s", [len(run.records) / run.wall]),
+    )
+    row.update(
+        {
+            "supervisor_rss_mb": {
+                "start": round(begin_rss / MiB, 1),
+                "middle": round(middle / MiB, 1),
+                "end": round(end / MiB, 1),
+            },
+            **sizes,
+        }
+    )
+    return [row]
+
+
+def _row(
+    workload: str,
+    system: str,
+    runs: list[Run],
+    n: int,
+    *,
+    settings: str,
+    metric: tuple[str, list[float]],
+    latency: bool = False,
+    latency_of: Callable[[Run], list[float]] | None = None,
+) -> dict[str, Any]:
+    name, values = metric
+    queries = sum(len(r.records) for r in runs) / len(runs)
+    row: dict[str, Any] = {
+        "workload": workload,
+        "system": system,
+        "n": n,
+        "repetitions": len(runs),
+        "metric": name,
+        **spread(values),
+        "cpu_s_per_1000": spread([r.cpu_s / max(1, len(r.records)) * 1000 for r in runs]),
+        "peak_rss_mb": round(max(r.peak_rss for r in runs) / MiB, 1),
+        "errors": sum(r.errors for r in runs),
+        "executions": spread([float(r.executions) for r in runs])["median"],
+        "commands_per_query": round(
+            sum(r.commands for r in runs) / max(1.0, queries * len(runs)), 2
+        ),
+        "settings": settings,
+    }
+    if latency or latency_of is not None:
+        per_run = [quantiles(latency_of(r) if latency_of else r.latencies) for r in runs]
+        row["latency_ms"] = {k: spread([q[k] for q in per_run])["median"] for k in per_run[0]}
+    return row

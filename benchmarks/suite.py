@@ -1,0 +1,283 @@
+"""The benchmark suite: every workload, ours beside the references and the peers, in one run.
+
+    python -m benchmarks                     # full run (see README for how long)
+    python -m benchmarks --quick             # every workload, CI-sized
+    python -m benchmarks --only throughput,idle_latency --no-peers
+
+Workloads (a fresh store for each repetition, a warm-up first, median and min-max):
+1. throughput: no-op queries from 4 request processes, 2 workers, SQLite NORMAL and FULL;
+2. idle_latency: one caller, sequential, enqueue to result, priority 10 (fast track) and 0;
+3. dedup_storm: identical concurrent requests from 8 processes against a 200 ms query;
+4. priority_burst: a backlog of priority-0 work, then priority-10 arrivals: their wait;
+5. large_results: 1, 10, 100 MiB results to the caller, against a raw shared-memory copy;
+6. soak: 1,000,000 no-op queries: supervisor RSS at start, middle, end; database and WAL.
+
+Writes `<out>/benchmarks.json`, `<out>/benchmarks.md` (the tables) and, with matplotlib,
+`<out>/benchmarks.png`. Asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks import ours, peers, reference
+
+WORKLOADS = [
+    "throughput",
+    "idle_latency",
+    "dedup_storm",
+    "priority_burst",
+    "large_results",
+    "soak",
+]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    reps: int
+    throughput: int
+    latency: int
+    storm: int
+    storm_processes: int
+    backlog: int
+    urgent: int
+    sizes_mib: list[int]
+    soak: int
+
+
+FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000)
+QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "cpu": _cpu_model(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _listed(make: Callable[..., dict[str, Any]], *args: Any) -> list[dict[str, Any]]:
+    return [make(*args)]
+
+
+def run(sizes: Sizes, only: list[str], with_peers: bool) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    ready: list[tuple[peers.Peer, Path]] = []
+    if with_peers and any(w in only for w in ("throughput", "idle_latency", "priority_burst")):
+        ready, skipped = peers.available()
+
+    def step(name: str, make: Callable[[], list[dict[str, Any]]]) -> None:
+        started = time.monotonic()
+        print(f"  {name} ...", flush=True, end="")
+        try:
+            made = make()
+        except Exception as exc:  # one failing system must not lose the others' figures
+            made = [{"system": name, "failed": f"{type(exc).__name__}: {exc}"}]
+        rows.extend(made)
+        print(f" {time.monotonic() - started:.0f} s", flush=True)
+
+    s = sizes
+    if "throughput" in only:
+        print("throughput", flush=True)
+        step("queryqueue", lambda: ours.throughput(s.throughput, s.reps))
+        step("ProcessPoolExecutor", lambda: [reference.pool_throughput(s.throughput, s.reps)])
+        step("raw socket", lambda: reference.raw_socket(s.throughput, s.reps, 4, 64)[:1])
+        for peer, python in ready:
+            step(
+                peer.name, partial(_listed, peers.throughput, peer, python, s.throughput, s.reps, 4)
+            )
+    if "idle_latency" in only:
+        print("idle latency", flush=True)
+        step("queryqueue", lambda: ours.idle_latency(s.latency, s.reps))
+        step("ProcessPoolExecutor", lambda: [reference.pool_latency(s.latency, s.reps)])
+        step("raw socket", lambda: reference.raw_socket(s.latency, s.reps, 4, 64)[1:])
+        for peer, python in ready:
+            step(peer.name, partial(peers.idle_latency, peer, python, s.latency, s.reps))
+    if "dedup_storm" in only:
+        print("dedup storm", flush=True)
+        step("queryqueue", lambda: ours.dedup_storm(s.storm, s.reps, s.storm_processes))
+        rows.extend(peers.lacks_dedup(p) for p in peers.PEERS)
+    if "priority_burst" in only:
+        print("priority burst", flush=True)
+        step("queryqueue", lambda: ours.priority_burst(s.backlog, s.urgent, s.reps))
+        for peer, python in ready:
+            step(
+                peer.name, partial(peers.priority_burst, peer, python, s.backlog, s.urgent, s.reps)
+            )
+    if "large_results" in only:
+        print("large results", flush=True)
+        step("queryqueue", lambda: ours.large_results(s.sizes_mib, s.reps))
+        step("raw shared memory", lambda: reference.raw_shm_copy(s.sizes_mib, max(3, s.reps)))
+    if "soak" in only:
+        print("soak", flush=True)
+        step("queryqueue", lambda: ours.soak(s.soak))
+    return {
+        "benchmark": "queryqueue suite",
+        "machine": machine(),
+        "sizes": s.__dict__,
+        "rows": rows,
+        "skipped": skipped,
+    }
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _fmt(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3g}"
+
+
+def tables(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gb']} GB, "
+        f"Python {m['python']}, {m['platform']}",
+        "",
+    ]
+    for workload in WORKLOADS:
+        rows = [r for r in report["rows"] if r.get("workload") == workload]
+        if not rows:
+            continue
+        lines += [
+            f"### {workload}",
+            "",
+            "| system | n | result (median, min-max) | latency p50 / p99 ms "
+            "| CPU s / 1000 | peak RSS MB | settings |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if "unsupported" in r or "failed" in r:
+                note = r.get("unsupported") or f"failed: {r['failed']}"
+                lines.append(f"| {r['system']} | | {note} | | | | |")
+                continue
+            result = f"{_fmt(r['median'])} {r['metric']} ({_fmt(r['min'])}-{_fmt(r['max'])})"
+            latency = r.get("latency_ms")
+            lat = f"{_fmt(latency['p50_ms'])} / {_fmt(latency['p99_ms'])}" if latency else ""
+            cpu = r.get("cpu_s_per_1000")
+            extra = ""
+            if "executions" in r and workload == "dedup_storm":
+                extra = f"executions: {r['executions']:.0f}; "
+            if "supervisor_rss_mb" in r:
+                rss = r["supervisor_rss_mb"]
+                extra = (
+                    f"supervisor RSS {rss['start']} / {rss['middle']} / {rss['end']} MB; "
+                    f"db {r['db_mb']} MB, WAL {r['wal_mb']} MB; "
+                )
+            if r.get("commands_per_query"):
+                extra += f"{r['commands_per_query']} supervisor commands per query; "
+            lines.append(
+                f"| {r['system']} | {r['n']:,} | {result} | {lat} "
+                f"| {_fmt(cpu['median']) if cpu else ''} | {r.get('peak_rss_mb', '')} "
+                f"| {extra}{r.get('settings', '')} |"
+            )
+        lines.append("")
+    for s in report["skipped"]:
+        lines.append(f"- skipped {s['system']}: {s['skipped']}")
+    return "\n".join(lines)
+
+
+def chart(report: dict[str, Any], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install -e '.[bench]')"
+    panels = [
+        ("throughput", "queries/s (higher is better)"),
+        ("idle_latency", "p50 ms, enqueue to result (lower is better)"),
+        ("priority_burst", "p50 wait of urgent arrivals, ms (lower is better)"),
+        ("large_results", "GB/s to the caller (higher is better)"),
+    ]
+    present = [
+        (w, t)
+        for w, t in panels
+        if any(r.get("workload") == w and "median" in r for r in report["rows"])
+    ]
+    if not present:
+        return "no chart: nothing to plot"
+    figure, axes = plt.subplots(len(present), 1, figsize=(10, 3.2 * len(present)))
+    axes = [axes] if len(present) == 1 else list(axes)
+    for axis, (workload, title) in zip(axes, present, strict=True):
+        rows = [r for r in report["rows"] if r.get("workload") == workload and "median" in r]
+        names = [r["system"] for r in rows]
+        medians = [r["median"] for r in rows]
+        errors = [
+            [r["median"] - r["min"] for r in rows],
+            [r["max"] - r["median"] for r in rows],
+        ]
+        colors = ["#1f77b4" if n.startswith("queryqueue") else "#999999" for n in names]
+        axis.barh(names, medians, xerr=errors, color=colors)
+        axis.set_title(title, fontsize=10)
+        axis.invert_yaxis()
+        axis.tick_params(axis="y", labelsize=7)
+        if workload in ("idle_latency", "priority_burst", "throughput"):
+            axis.set_xscale("log")
+    m = report["machine"]
+    figure.suptitle(f"queryqueue benchmarks - {m['cpus']} CPUs, Python {m['python']}", fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return f"chart written to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="every workload, CI-sized")
+    parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
+    parser.add_argument("--no-peers", action="store_true", help="ours and the references only")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 1 quick)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    only = [w.strip() for w in args.only.split(",") if w.strip()]
+    unknown = set(only) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))} (known: {WORKLOADS})")
+    sizes = QUICK if args.quick else FULL
+    if args.reps:
+        sizes = Sizes(**{**sizes.__dict__, "reps": args.reps})
+    started = time.monotonic()
+    report = run(sizes, only, not args.no_peers)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "benchmarks.json").write_text(json.dumps(report, indent=2) + "\n")
+    text = tables(report)
+    (args.out / "benchmarks.md").write_text(text + "\n")
+    print(text)
+    print(chart(report, args.out / "benchmarks.png"))
+    print(f"written to {args.out} in {report['seconds']} s")
+    return 0
