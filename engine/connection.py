@@ -239,7 +239,13 @@ class QueueConnection:
     async def set_result_and_remove_query(
         self, query_key_hash: str, result: Any, queue_id: QueueId | None
     ) -> bool:
-        ack = await self.driver.ack(
-            self._key(query_key_hash, queue_id), orjson.dumps(result).decode()
+        return await self.set_encoded_result_and_remove_query(
+            query_key_hash, orjson.dumps(result).decode(), queue_id
         )
+
+    async def set_encoded_result_and_remove_query(
+        self, query_key_hash: str, result: str, queue_id: QueueId | None
+    ) -> bool:
+        """The same, with the result already JSON text."""
+        ack = await self.driver.ack(self._key(query_key_hash, queue_id), result)
         return ack.success

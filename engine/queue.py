@@ -80,6 +80,7 @@ class QueryQueue:
         driver: QueueDriver | QueueStore | None = None,
         clock: Clock | None = None,
         fast_track: bool = True,
+        reconcile: bool = True,
     ) -> None:
         for name, value in [
             ("continue_wait_timeout", continue_wait_timeout),
@@ -102,6 +103,10 @@ class QueryQueue:
         self.heartbeat_interval = heartbeat_interval
         self.process_uid = process_uid or str(uuid.uuid4())
         self.fast_track = fast_track
+        # False where another process reconciles for this one (a supervisor for the
+        # processes of its worker pool): then this process reconciles only to pick up its
+        # own stream items.
+        self.reconcile = reconcile
         self.clock: Clock = clock or SystemClock()
         self.events = Events(logger)
         if driver is None or isinstance(driver, QueueStore):
@@ -251,7 +256,8 @@ class QueryQueue:
                     raise ContinueWaitError() from exc
                 active_keys, to_process = list(added.active_keys), list[str]()
             else:
-                await self.reconcile_queue()
+                if self.reconcile or is_stream:
+                    await self.reconcile_queue()
                 if not added.added:
                     existing = await conn.get_query_def(query_key_hash, added.queue_id)
                     if existing is not None:
@@ -440,7 +446,7 @@ class QueryQueue:
                     ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
                 )
             except Exception as exc:
-                result = {"error": str(exc) or type(exc).__name__}
+                result = orjson.dumps({"error": str(exc) or type(exc).__name__}).decode()
                 self.events.emit(
                     ev.ERROR_WHILE_QUERYING,
                     {**context, "duration": _ms_since(started), "error": repr(exc)},
@@ -456,7 +462,7 @@ class QueryQueue:
                 execution.finished = True
                 heartbeat.cancel()
                 await asyncio.gather(heartbeat, *execution.side_tasks, return_exceptions=True)
-            if not await conn.set_result_and_remove_query(query_key_hash, result, queue_id):
+            if not await conn.set_encoded_result_and_remove_query(query_key_hash, result, queue_id):
                 self.events.emit(
                     ev.ORPHANED_RESULT,
                     {
@@ -464,13 +470,15 @@ class QueryQueue:
                         "warn": "Result for query was not set: the item is no longer in the queue",
                     },
                 )
-            await self.reconcile_queue()
+            if self.reconcile:
+                await self.reconcile_queue()
         except Exception as exc:
             self.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
         finally:
             self._executions.pop(queue_id, None)
 
-    async def _run_handler(self, execution: _Execution) -> dict[str, Any]:
+    async def _run_handler(self, execution: _Execution) -> str:
+        """Run the handler; its result as the JSON text to ACK with."""
         retrieved = execution.retrieved
         query = retrieved.query
         name = query.get("queryHandler")
@@ -509,7 +517,7 @@ class QueryQueue:
                 if self.streams.get(retrieved.query_key_hash) is stream:
                     del self.streams[retrieved.query_key_hash]
             await stream.end()
-            return {"streamResult": True}
+            return '{"streamResult":true}'
 
         handler = self.query_handlers.get(str(name))
         if handler is None:
@@ -538,11 +546,11 @@ class QueryQueue:
             raise
         if inspect.isawaitable(value):
             value = await value
+        # Encoded once, here: a result of 100 MiB is not serialized twice.
         try:
-            orjson.dumps(value)
+            return orjson.dumps({"result": value}).decode()
         except TypeError as exc:
             raise QueryError(f"query result is not JSON serializable: {exc}") from None
-        return {"result": value}
 
     def _in_thread(
         self, handler: QueryHandler, query: Any, set_cancel_handler: SetCancelHandler

@@ -78,8 +78,12 @@ class QueueApp:
         )
 
     def pool_queue(self, driver: SocketQueueDriver, **overrides: Any) -> QueryQueue:
-        """A queue on the supervisor whose executions are handed to its worker pool."""
+        """A queue on the supervisor whose executions are handed to its worker pool.
+
+        The supervisor reconciles for its pool (after every ADD and ACK, in process, next
+        to the store), so this process reconciles only for its own stream items."""
         dispatch = PoolDispatch(driver)
+        overrides.setdefault("reconcile", False)
         queue = self.make_queue(driver, send_process_message_fn=dispatch, **overrides)
         dispatch.queue = queue
         return queue

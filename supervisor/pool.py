@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import logging
 import os
+import pickle
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,10 @@ import multiprocess
 import orjson
 import psutil
 
+from engine.driver import LocalQueueDriver
+from engine.queue import QueryQueue
 from engine.responses import QueueId
+from engine.retrieved import RetrievedQuery
 from engine.store import QueueStore
 from supervisor.shm import DEFAULT_THRESHOLD
 
@@ -92,14 +96,25 @@ class WorkerPool:
         self.replaced = 0
         self._cancelling: set[asyncio.Task[None]] = set()
         self.reclaimed: list[QueueId] = []
+        self.queue: QueryQueue | None = None
+        self._poked = False
 
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         from supervisor.app import load_app
 
+        app = load_app(self.app_ref)
+        # The pool's own queue, on the store itself: it reconciles for every process of
+        # the pool (retrieve in priority order within the concurrency, hand off here), so
+        # request processes and workers need not: no socket round trips, no re-pickling.
+        self.queue = app.make_queue(
+            LocalQueueDriver(self.store),
+            send_process_message_fn=self._hand_off,
+            process_uid=f"supervisor-{os.getpid()}",
+        )
         # Beat as often as the app's executors would, so no held item ever looks stalled.
-        options = load_app(self.app_ref).queue_options
+        options = app.queue_options
         self.heartbeat_interval = min(
             self.heartbeat_interval, float(options.get("heartbeat_interval", 30.0))
         )
@@ -112,6 +127,8 @@ class WorkerPool:
         if self._heartbeats is not None:
             self._heartbeats.cancel()
             await asyncio.gather(self._heartbeats, return_exceptions=True)
+        if self.queue is not None:
+            await self.queue.shutdown(grace=0)
         for worker in self._workers:
             self._unwatch(worker)
             with contextlib.suppress(OSError, ValueError):
@@ -124,6 +141,11 @@ class WorkerPool:
                 await loop.run_in_executor(None, worker.process.join, grace)
             worker.conn.close()
         self._workers.clear()
+
+    @property
+    def held(self) -> int:
+        """Items handed to this pool and not finished: waiting or running."""
+        return len(self._backlog) + sum(1 for w in self._workers if w.job is not None)
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
@@ -166,6 +188,34 @@ class WorkerPool:
         worker.watchers = []
 
     # -- hand-offs --------------------------------------------------------------------------
+
+    def poke(self, freed: bool = True) -> None:
+        """Something changed in the queue (an ADD or ACK committed): reconcile soon. Pokes
+        in one loop iteration make one reconcile; the queue's single flight does the rest.
+
+        `freed=False` (an ADD): while the pool itself holds `concurrency` items, the store
+        counts at least as many active, so nothing could be retrieved: no reconcile."""
+        if self._poked or self.queue is None or self._stopping:
+            return
+        if not freed and self.held >= self.queue.concurrency:
+            return
+        self._poked = True
+        asyncio.get_running_loop().call_soon(self._reconcile)
+
+    def _reconcile(self) -> None:
+        self._poked = False
+        if self.queue is not None and not self._stopping:
+            task = asyncio.ensure_future(self.queue.reconcile_queue())
+            self._cancelling.add(task)
+            task.add_done_callback(self._cancelling.discard)
+
+    async def _hand_off(self, retrieved: RetrievedQuery) -> None:
+        # The pool's queue never sees other processes' stream items: the store hides
+        # EXCLUSIVE items from other process ids.
+        assert not retrieved.persistent, "a stream item reached the pool"
+        # Read from the store, it holds only JSON data: the C pickler does (dill, which
+        # workers load with, reads its output; it is what request processes send).
+        self.submit(retrieved.queue_id, pickle.dumps(retrieved, protocol=pickle.HIGHEST_PROTOCOL))
 
     def submit(self, queue_id: QueueId, blob: bytes) -> None:
         """Accept a hand-off: it runs on the next idle worker."""
@@ -270,6 +320,7 @@ class WorkerPool:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             self.beat()
+            self.poke()  # also reaps orphaned and stalled items when nothing else happens
 
     def beat(self) -> None:
         """One heartbeat round (a steppable loop): keep held and waiting items alive, and

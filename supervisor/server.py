@@ -57,6 +57,8 @@ COMMANDS = {
 }
 _TAKES_PROCESS_ID = {"add", "add_and_retrieve", "retrieve", "list_items", "pending", "active"}
 _LATENCY_SAMPLES = 2048
+# Commands after which the pool's queue may have something to retrieve.
+_POKES = {"add", "add_and_retrieve", "ack", "cancel"}
 
 
 @dataclass
@@ -135,6 +137,41 @@ class _Connection:
             self.writer.write(b"".join(frames))
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """The arguments a store method takes: checked per request without Signature.bind,
+    which cost 3% of the supervisor's time."""
+
+    names: tuple[str, ...]  # positional-or-keyword, in order
+    required: frozenset[str]
+    keywords: frozenset[str]
+
+    @classmethod
+    def of(cls, method: Callable[..., Any]) -> _Shape:
+        params = list(inspect.signature(method).parameters.values())
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return cls(
+            names=tuple(p.name for p in named if p.kind is p.POSITIONAL_OR_KEYWORD),
+            required=frozenset(p.name for p in named if p.default is p.empty),
+            keywords=frozenset(p.name for p in named),
+        )
+
+    def check(self, args: list[Any], kwargs: dict[str, Any]) -> str | None:
+        if len(args) > len(self.names):
+            return f"takes at most {len(self.names)} positional arguments, got {len(args)}"
+        unknown = kwargs.keys() - self.keywords
+        if unknown:
+            return f"unexpected keyword argument {sorted(unknown)[0]!r}"
+        by_position = self.names[: len(args)]
+        twice = set(by_position) & kwargs.keys()
+        if twice:
+            return f"multiple values for argument {sorted(twice)[0]!r}"
+        missing = self.required - set(by_position) - kwargs.keys()
+        if missing:
+            return f"missing required argument {sorted(missing)[0]!r}"
+        return None
+
+
 @dataclass(eq=False)
 class _Request:
     connection: _Connection
@@ -178,7 +215,7 @@ class QueueServer:
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._stopping = False
-        self._signatures: dict[str, inspect.Signature] = {}
+        self._shapes: dict[str, _Shape] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -361,13 +398,12 @@ class QueueServer:
                 raise InvalidCommandError(f"unknown command {method!r}")
         if method in _TAKES_PROCESS_ID and "process_id" not in kwargs:
             kwargs["process_id"] = connection.process_id
-        signature = self._signatures.get(method)
-        if signature is None:
-            signature = self._signatures[method] = inspect.signature(getattr(self.store, method))
-        try:
-            signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise InvalidCommandError(f"{method}: wrong arguments ({exc})") from None
+        shape = self._shapes.get(method)
+        if shape is None:
+            shape = self._shapes[method] = _Shape.of(getattr(self.store, method))
+        problem = shape.check(args, kwargs)
+        if problem is not None:
+            raise InvalidCommandError(f"{method}: wrong arguments ({problem})")
         return _Request(connection, request_id, method, args, kwargs, rows, received)
 
     def _dispatch(self, args: list[Any]) -> None:
@@ -440,6 +476,8 @@ class QueueServer:
             return False, StoreError(f"{request.method} failed: {exc!r}")
 
     def _answer(self, request: _Request, ok: bool, answer: Any) -> None:
+        if ok and request.method in _POKES and self.pool is not None:
+            self.pool.poke(freed=request.method in ("ack", "cancel"))
         if ok and request.method == "ack" and len(request.args) == 2:
             self.segments.acked(request.args[1], bool(answer.success))
         elif ok and answer is not None and request.method in ("result", "result_blocking"):

@@ -128,7 +128,7 @@ class SegmentPool:
         prefix: str,
         *,
         result_ttl: float = 300.0,
-        reread_grace: float = 2.0,
+        reread_grace: float = 0.5,
         max_free_bytes: int = 256 * 1024 * 1024,
         max_segment: int = 2 * 1024 * 1024 * 1024,
         clock: Callable[[], float] = time.monotonic,
@@ -364,7 +364,8 @@ class SegmentMaps:
         memory = self._map(name)
         if _generation(memory) != generation or size > len(memory) - HEADER.size:
             raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
-        text = memory[HEADER.size : HEADER.size + size].decode()
+        with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + size] as data:
+            text = str(data, "utf-8")  # decoded straight out of the segment: one copy
         if _generation(memory) != generation:
             raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
         return text

@@ -55,7 +55,9 @@ def _write(pool: SegmentPool, maps: SegmentMaps, data: bytes, writer: object) ->
 
 def test_a_result_is_freed_after_its_last_reader_releases_it(prefix: str) -> None:
     clock = Clock()
-    pool = SegmentPool(prefix, clock=clock, reread_grace=2.0)
+    pool = SegmentPool(
+        prefix, clock=clock, reread_grace=2.0
+    )  # longer than the default, to step through it
     maps = SegmentMaps()
     data = orjson.dumps({"result": "x" * (3 * MiB)})
     ref = _write(pool, maps, data, "worker")

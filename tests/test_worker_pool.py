@@ -407,6 +407,9 @@ async def test_priority_decides_who_runs_next_through_the_pool(
             for i in range(3)
         ]
         await asyncio.gather(*blockers, *low, *high)
+        # The supervisor retrieved and handed off every item itself: no process did it
+        # over the socket (priority 5 is below the fast track).
+        assert "retrieve" not in (await driver.stats())["commands"]
     finally:
         await queue.shutdown(grace=0)
         await driver.close()
