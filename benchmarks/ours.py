@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +22,9 @@ from benchmarks.measure import TreeMeter, quantiles, spread
 from supervisor.launch import SupervisorProcess, launch
 
 APP = "benchmarks.bench_app:app"
+POSTGRES_URL = os.environ.get(
+    "QUERYQUEUE_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 MiB = 1024 * 1024
 
 
@@ -144,7 +149,7 @@ def stats(socket_path: Path) -> dict[str, Any]:
 
 
 def drive(
-    supervisor: SupervisorProcess,
+    supervisor: SupervisorProcess | list[SupervisorProcess],
     shares: list[list[Job]],
     *,
     in_flight: int,
@@ -152,7 +157,9 @@ def drive(
     start_offsets: list[float] | None = None,
 ) -> Run:
     """Run one list of jobs per request process, all starting together; measured from the
-    moment they are told to go to the moment the last result arrived."""
+    moment they are told to go to the moment the last result arrived. With several
+    supervisors (hosts sharing a PostgreSQL queue), request process i talks to the i-th."""
+    hosts = supervisor if isinstance(supervisor, list) else [supervisor]
     context = multiprocessing.get_context("spawn")
     ready, out = context.Queue(), context.Queue()
     leave = context.Event()
@@ -162,7 +169,7 @@ def drive(
             target=_producer,
             args=(
                 i,
-                str(supervisor.socket_path),
+                str(hosts[i % len(hosts)].socket_path),
                 jobs,
                 in_flight,
                 (spacing or [0.0] * len(shares))[i],
@@ -180,7 +187,7 @@ def drive(
     try:
         for _ in processes:
             ready.get(timeout=60)
-        before = stats(supervisor.socket_path)
+        before = _summed([stats(h.socket_path) for h in hosts])
         by_share: list[list[tuple[float, float, bool]]] = [[] for _ in shares]
         with TreeMeter() as meter:
             began = time.monotonic()
@@ -191,7 +198,7 @@ def drive(
             for _ in processes:
                 index, records = out.get(timeout=3600)
                 by_share[index] = records
-            after = stats(supervisor.socket_path)
+            after = _summed([stats(h.socket_path) for h in hosts])
         leave.set()
     finally:
         leave.set()
@@ -201,6 +208,62 @@ def drive(
                 process.kill()
                 process.join(10)
     return Run(by_share, meter.cpu_s, meter.peak_rss, before, after)
+
+
+def _summed(many: list[dict[str, Any]]) -> dict[str, Any]:
+    """The counters drive() reads, added up over hosts."""
+    return {
+        "pool": {"handed_off": sum(m["pool"]["handed_off"] for m in many)},
+        "commands_total": sum(m["commands_total"] for m in many),
+    }
+
+
+def postgres_unavailable() -> str | None:
+    try:
+        import psycopg
+    except ImportError:
+        return "psycopg is not installed (pip install -e '.[postgres]')"
+    try:
+        with psycopg.connect(POSTGRES_URL, connect_timeout=3):
+            return None
+    except psycopg.Error as exc:
+        return f"no PostgreSQL at {POSTGRES_URL}: {str(exc).strip().splitlines()[0]}"
+
+
+@contextmanager
+def postgres_hosts(count: int, *options: str) -> Iterator[list[SupervisorProcess]]:
+    """`count` supervisors, each with 2 workers, sharing a fresh PostgreSQL schema."""
+    import psycopg
+    from psycopg import sql
+
+    schema = f"qq_bench_{uuid.uuid4().hex[:10]}"
+    with tempfile.TemporaryDirectory(prefix="qq-bench-", dir="/tmp") as tmp:
+        hosts: list[SupervisorProcess] = []
+        try:
+            for i in range(count):
+                hosts.append(
+                    launch(
+                        Path(tmp) / f"host{i}.db",
+                        Path(tmp) / f"host{i}.sock",
+                        "--schema",
+                        schema,
+                        "--app",
+                        APP,
+                        "--workers",
+                        "2",
+                        *options,
+                        store=POSTGRES_URL,
+                    )
+                )
+            drive(hosts, [[Job("noop", ["warm", i], {}) for i in range(200)]], in_flight=16)
+            yield hosts
+        finally:
+            for host in hosts:
+                host.stop()
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+                conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+                )
 
 
 @contextmanager
@@ -251,6 +314,62 @@ def throughput(n: int, reps: int, producers: int = 4, in_flight: int = 64) -> li
                 settings=f"2 workers, {producers} request processes x {in_flight} in flight, "
                 f"concurrency 2, synchronous={synchronous}",
                 metric=("queries/s", [len(r.records) / r.wall for r in runs]),
+            )
+        )
+    return rows
+
+
+def postgres_throughput(
+    n: int, reps: int, producers: int = 4, in_flight: int = 64
+) -> list[dict[str, Any]]:
+    reason = postgres_unavailable()
+    if reason is not None:
+        return [{"workload": "throughput", "system": "queryqueue (PostgreSQL)", "skipped": reason}]
+    rows = []
+    for count in (1, 2):
+        runs = []
+        for rep in range(reps):
+            with postgres_hosts(count) as hosts:
+                runs.append(
+                    drive(hosts, _noop_shares(n, producers, f"pg{rep}"), in_flight=in_flight)
+                )
+        rows.append(
+            _row(
+                "throughput",
+                f"queryqueue (PostgreSQL, {count} supervisor{'s' if count > 1 else ''})",
+                runs,
+                n,
+                settings=f"{count} supervisor(s) x 2 workers on one local PostgreSQL 15 "
+                f"(READ COMMITTED, advisory lock per prefix), {producers} request processes "
+                f"x {in_flight} in flight, concurrency 2 across hosts",
+                metric=("queries/s", [len(r.records) / r.wall for r in runs]),
+            )
+        )
+    return rows
+
+
+def postgres_idle_latency(n: int, reps: int) -> list[dict[str, Any]]:
+    reason = postgres_unavailable()
+    if reason is not None:
+        return [
+            {"workload": "idle_latency", "system": "queryqueue (PostgreSQL)", "skipped": reason}
+        ]
+    rows = []
+    for priority, label in ((10, "fast track (priority 10)"), (0, "queued (priority 0)")):
+        runs = []
+        for rep in range(reps):
+            with postgres_hosts(1) as hosts:
+                jobs = [Job("noop", ["lat", rep, i], {}, priority) for i in range(n)]
+                runs.append(drive(hosts, [jobs], in_flight=1))
+        rows.append(
+            _row(
+                "idle_latency",
+                f"queryqueue (PostgreSQL), {label}",
+                runs,
+                n,
+                settings="one caller, sequential, one supervisor, 2 workers",
+                metric=("p50 ms", [quantiles(r.latencies)["p50_ms"] for r in runs]),
+                latency=True,
             )
         )
     return rows

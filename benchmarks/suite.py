@@ -105,6 +105,7 @@ def run(sizes: Sizes, only: list[str], with_peers: bool) -> dict[str, Any]:
     if "throughput" in only:
         print("throughput", flush=True)
         step("queryqueue", lambda: ours.throughput(s.throughput, s.reps))
+        step("queryqueue on PostgreSQL", lambda: ours.postgres_throughput(s.throughput, s.reps))
         step("ProcessPoolExecutor", lambda: [reference.pool_throughput(s.throughput, s.reps)])
         step("raw socket", lambda: reference.raw_socket(s.throughput, s.reps, 4, 64)[:1])
         for peer, python in ready:
@@ -114,6 +115,7 @@ def run(sizes: Sizes, only: list[str], with_peers: bool) -> dict[str, Any]:
     if "idle_latency" in only:
         print("idle latency", flush=True)
         step("queryqueue", lambda: ours.idle_latency(s.latency, s.reps))
+        step("queryqueue on PostgreSQL", lambda: ours.postgres_idle_latency(s.latency, s.reps))
         step("ProcessPoolExecutor", lambda: [reference.pool_latency(s.latency, s.reps)])
         step("raw socket", lambda: reference.raw_socket(s.latency, s.reps, 4, 64)[1:])
         for peer, python in ready:
@@ -175,8 +177,8 @@ def tables(report: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            if "unsupported" in r or "failed" in r:
-                note = r.get("unsupported") or f"failed: {r['failed']}"
+            if "unsupported" in r or "failed" in r or "skipped" in r:
+                note = r.get("unsupported") or r.get("skipped") or f"failed: {r['failed']}"
                 lines.append(f"| {r['system']} | | {note} | | | | |")
                 continue
             result = f"{_fmt(r['median'])} {r['metric']} ({_fmt(r['min'])}-{_fmt(r['max'])})"

@@ -280,6 +280,9 @@ class SqliteTransaction:
         cursor = self._c.execute("UPDATE items SET heartbeat = ? WHERE status = ?", (now, ACTIVE))
         return cursor.rowcount
 
+    def acked(self, item: Item, result: str | None) -> None:
+        pass  # one process: waiters are woken in process, after the commit
+
     def truncate(self) -> None:
         # DELETE rather than DROP: AUTOINCREMENT keeps counting, so ids are never reused.
         self._c.execute("DELETE FROM items")

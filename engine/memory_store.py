@@ -263,6 +263,9 @@ class MemoryTransaction:
             self._update(item.id, heartbeat=now)
         return len(active)
 
+    def acked(self, item: Item, result: str | None) -> None:
+        pass  # one process: waiters are woken in process, after the commit
+
     def truncate(self) -> None:
         s = self._s
         snapshot = (

@@ -170,6 +170,11 @@ class StoreTransaction(Protocol):
         """Set the heartbeat of every active item to `now`; returns how many."""
         ...
 
+    def acked(self, item: Item, result: str | None) -> None:
+        """The item was acked in this transaction: a store shared by several processes
+        tells the others here (their RESULT_BLOCKING waiters); others do nothing."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixOverview:
@@ -412,6 +417,7 @@ class QueueStore(ABC):
                     )
                 )
             tx.purge_expired_results(now, PURGE_BATCH)
+            tx.acked(item, result)
         # Decide, then act: waiters are woken only once the result is committed.
         self._after_commit(
             lambda: self.waiters.publish(AckEvent(item.id, item.path, result, item.external_id))

@@ -33,7 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--users", type=int, default=8, help="concurrent users per process")
 
     sup = commands.add_parser("supervisor", help="host the queue store and serve it on a socket")
-    sup.add_argument("--db", type=Path, required=True, help="SQLite queue database")
+    where = sup.add_mutually_exclusive_group(required=True)
+    where.add_argument("--db", type=Path, help="SQLite queue database (one host)")
+    where.add_argument(
+        "--store",
+        metavar="URL",
+        help="postgresql://... : a queue shared by the supervisors of several hosts",
+    )
+    sup.add_argument(
+        "--schema", default="queryqueue", help="PostgreSQL schema of the queue (with --store)"
+    )
     _socket_option(sup)
     sup.add_argument("--synchronous", choices=["NORMAL", "FULL"], default="NORMAL")
     sup.add_argument("--tcp-port", type=int, default=None, help="also listen on 127.0.0.1:PORT")
@@ -82,9 +91,14 @@ def main(argv: list[str] | None = None) -> int:
 
             if (args.app is None) != (args.workers == 0):
                 parser.error("--app and --workers go together")
+            if args.store is not None and not args.store.startswith(
+                ("postgresql://", "postgres://")
+            ):
+                parser.error("--store takes a postgresql:// URL")
             return run(
-                args.db,
+                args.store or args.db,
                 socket_path,
+                schema=args.schema,
                 synchronous=args.synchronous,
                 tcp_port=args.tcp_port,
                 app=args.app,

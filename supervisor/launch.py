@@ -54,9 +54,11 @@ def launch(
     *options: str,
     env: dict[str, str] | None = None,
     ready_within: float = 30.0,
+    store: str | None = None,
 ) -> SupervisorProcess:
-    """`queryqueue supervisor --db DB --socket SOCKET OPTIONS...`, once it accepts
-    connections. Its output goes to DB with the suffix .log."""
+    """`queryqueue supervisor --db DB --socket SOCKET OPTIONS...` (`--store STORE` instead
+    of `--db` when given), once it accepts connections. Its output goes to DB with the
+    suffix .log."""
     log = db.with_suffix(".log")
     environment = {**(env if env is not None else os.environ)}
     environment["PYTHONPATH"] = os.pathsep.join(
@@ -69,8 +71,7 @@ def launch(
                 "-m",
                 "supervisor.cli",
                 "supervisor",
-                "--db",
-                str(db),
+                *(("--store", store) if store else ("--db", str(db))),
                 "--socket",
                 str(socket_path),
                 *options,

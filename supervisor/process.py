@@ -8,8 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from driver_sqlite.store import SqliteQueueStore, Synchronous
+from engine.store import QueueStore
 from supervisor.pool import WorkerPool
 from supervisor.server import QueueServer
+
+
+def open_store(db: str | Path, *, synchronous: Synchronous, schema: str) -> QueueStore:
+    """A SQLite file, or a postgresql:// URL (a queue several hosts share)."""
+    if isinstance(db, str) and db.startswith(("postgresql://", "postgres://")):
+        from driver_postgres.store import PostgresQueueStore
+
+        return PostgresQueueStore(db, schema=schema)
+    return SqliteQueueStore(db, synchronous=synchronous)
 
 
 async def serve(
@@ -17,6 +27,7 @@ async def serve(
     socket_path: str | Path,
     *,
     synchronous: Synchronous = "NORMAL",
+    schema: str = "queryqueue",
     tcp_port: int | None = None,
     app: str | None = None,
     workers: int = 0,
@@ -28,7 +39,7 @@ async def serve(
 
     `pool_options` go to `WorkerPool` (cancel_grace, max_tasks_per_worker,
     max_memory_per_worker, shm_threshold)."""
-    store = SqliteQueueStore(db, synchronous=synchronous)
+    store = open_store(db, synchronous=synchronous, schema=schema)
     pool = (
         WorkerPool(app, socket_path, store, workers=workers, **pool_options)
         if app and workers > 0

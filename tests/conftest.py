@@ -11,11 +11,12 @@ from driver_sqlite.store import SqliteQueueStore
 from engine.clock import ManualClock
 from engine.memory_store import MemoryQueueStore
 from engine.store import QueueStore
+from tests.postgres_util import postgres_store
 from tests.supervisor_util import socket_dir
 
 StoreFactory = Callable[..., QueueStore]
 
-STORE_KINDS = ["memory", "sqlite"]
+STORE_KINDS = ["memory", "sqlite", "postgres"]
 
 
 @pytest.fixture
@@ -43,6 +44,8 @@ def make_store(
         store: QueueStore
         if request.param == "memory":
             store = MemoryQueueStore(**options)
+        elif request.param == "postgres":
+            store = postgres_store(**options)
         else:
             store = SqliteQueueStore(tmp_path / f"queue-{len(made)}.db", **options)
         made.append(store)

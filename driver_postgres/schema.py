@@ -1,0 +1,104 @@
+"""The PostgreSQL schema, as numbered migrations.
+
+Everything lives in one schema of the database (default `queryqueue`), so several queues
+can share a server. The version is recorded in `schema_version`; migrations run under a
+transaction-scoped advisory lock, so supervisors starting together migrate once; a
+database newer than this code is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import SchemaVersionError
+
+PENDING = 0
+ACTIVE = 1
+
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (
+        1,
+        [
+            """
+            CREATE TABLE items (
+                id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- never reused
+                prefix      text     NOT NULL,
+                key         text     NOT NULL,
+                status      smallint NOT NULL,              -- 0 pending, 1 active
+                priority    integer  NOT NULL,
+                created     bigint   NOT NULL,              -- ms, from the injected clock
+                heartbeat   bigint,
+                orphaned    bigint,                         -- absolute deadline, ms
+                extra       text,
+                process_id  text,
+                exclusive   boolean  NOT NULL,
+                external_id text,
+                payload     text     NOT NULL,
+                UNIQUE (prefix, key)                        -- dedup on path, enforced here
+            )
+            """,
+            "CREATE INDEX items_queue ON items (prefix, status, priority DESC, id)",
+            "CREATE INDEX items_orphaned ON items (prefix, status, orphaned, created)",
+            """
+            CREATE UNIQUE INDEX items_external_id ON items (external_id)
+                WHERE external_id IS NOT NULL
+            """,
+            """
+            CREATE TABLE prefix_counts (
+                prefix  text PRIMARY KEY,
+                pending integer NOT NULL,
+                active  integer NOT NULL
+            )
+            """,
+            """
+            CREATE TABLE results (
+                id          bigint  PRIMARY KEY,            -- the item's queue id
+                path        text    NOT NULL,
+                value       text    NOT NULL,
+                deleted     boolean NOT NULL,
+                expire      bigint  NOT NULL,
+                external_id text,
+                consumed_by text,
+                taken       boolean NOT NULL DEFAULT false  -- by a RESULT_BLOCKING by path
+            )
+            """,
+            "CREATE INDEX results_path ON results (path, id)",
+            """
+            CREATE INDEX results_external_id ON results (external_id, id)
+                WHERE external_id IS NOT NULL
+            """,
+            "CREATE INDEX results_expire ON results (expire)",
+        ],
+    ),
+]
+
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+
+def migrate(conn: Any, schema: str) -> int:
+    """Create `schema` if needed and bring it to LATEST_VERSION; returns the version found.
+
+    `conn` is a psycopg connection (not in a transaction)."""
+    from psycopg import sql
+
+    with conn.transaction():
+        # One migrator at a time, whichever host starts first.
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"qq-migrate:{schema}",)
+        )
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version integer NOT NULL)")
+        row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+        found = int(row[0]) if row and row[0] is not None else 0
+        if found > LATEST_VERSION:
+            raise SchemaVersionError(
+                f"queue schema {schema!r} is at version {found}, newer than this queryqueue "
+                f"knows ({LATEST_VERSION}); upgrade queryqueue"
+            )
+        for version, statements in MIGRATIONS:
+            if version > found:
+                for statement in statements:
+                    conn.execute(statement)
+                conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version,))
+    return found

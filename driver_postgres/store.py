@@ -1,0 +1,571 @@
+"""The queue store on PostgreSQL: one queue shared by supervisors on several hosts.
+
+The rules are the base class's, as for every store; this module holds all the SQL. What
+each guarantee rests on:
+
+* every command is one transaction (READ COMMITTED);
+* decisions that depend on a prefix's counts (RETRIEVE, ADD_AND_RETRIEVE, and ADD, which
+  changes them) hold a transaction-scoped advisory lock on the prefix, taken before any
+  row lock, so the concurrency budget holds across hosts and transactions never wait on
+  each other in a cycle;
+* dedup on path is the UNIQUE (prefix, key) constraint; an external id is unique by a
+  unique index (a conflict is ExternalIdConflictError, never a second item);
+* RESULT_BLOCKING waiters of every host are woken by a NOTIFY that the ACK sends in its
+  own transaction (delivered at commit); a notification missed (a listener reconnecting)
+  costs at most `recheck_ms`, the bounded re-check of the store;
+* a command whose connection broke before its COMMIT was sent is re-run once on a fresh
+  connection (it had no effect); one that broke during COMMIT is reported, not guessed.
+
+One connection serves the commands (a supervisor serializes them), one listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import orjson
+import psycopg
+from psycopg import sql
+
+from driver_postgres.schema import ACTIVE, PENDING, migrate
+from engine import validation as v
+from engine.aio import wait_within
+from engine.clock import Clock
+from engine.errors import ExternalIdConflictError, StoreError
+from engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
+from engine.store import DEFAULT_RESULT_TTL_MS, Item, PrefixOverview, QueueStore, StoredResult
+from engine.waiters import AckEvent
+
+_ITEM_COLUMNS = (
+    "id, prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id, "
+    "exclusive, external_id"
+)
+_RESULT_COLUMNS = "id, path, value, deleted, expire, external_id, consumed_by"
+_STATUS_CODE: dict[ItemStatus, int] = {"pending": PENDING, "active": ACTIVE}
+_STATUS_NAME: dict[int, ItemStatus] = {PENDING: "pending", ACTIVE: "active"}
+# An ACK from another host: the waiter reads the result itself (NOTIFY carries no payload).
+_FETCH = "\x00fetch"
+
+T = TypeVar("T")
+_NO_SAVEPOINT = contextlib.nullcontext()
+
+
+class _Disconnected(StoreError):
+    """The connection broke before COMMIT was sent: the command had no effect."""
+
+
+def _item(row: tuple[Any, ...]) -> Item:
+    return Item(
+        id=row[0],
+        prefix=row[1],
+        key=row[2],
+        status=_STATUS_NAME[row[3]],
+        priority=row[4],
+        created=row[5],
+        heartbeat=row[6],
+        orphaned=row[7],
+        extra=row[8],
+        process_id=row[9],
+        exclusive=bool(row[10]),
+        external_id=row[11],
+        payload=row[12] if len(row) > 12 else None,
+    )
+
+
+def _result(row: tuple[Any, ...] | None) -> StoredResult | None:
+    if row is None:
+        return None
+    return StoredResult(
+        id=row[0],
+        path=row[1],
+        value=row[2],
+        deleted=bool(row[3]),
+        expire=row[4],
+        external_id=row[5],
+        consumed_by=row[6],
+    )
+
+
+class PostgresTransaction:
+    def __init__(self, conn: psycopg.Connection[Any], channel: str) -> None:
+        self._c = conn
+        self._channel = channel
+        self._locked: set[str] = set()
+
+    def _one(self, query: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
+        row: tuple[Any, ...] | None = self._c.execute(query, params).fetchone()
+        return row
+
+    def _all(self, query: str, params: tuple[Any, ...] | list[Any] = ()) -> list[tuple[Any, ...]]:
+        rows: list[tuple[Any, ...]] = self._c.execute(query, params).fetchall()
+        return rows
+
+    def _lock(self, prefix: str) -> None:
+        """Serialize this transaction with every other one on `prefix`, on every host."""
+        if prefix not in self._locked:
+            self._c.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"qq:{prefix}",)
+            )
+            self._locked.add(prefix)
+
+    # -- items ------------------------------------------------------------------------
+
+    def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
+        columns = _ITEM_COLUMNS + (", payload" if with_payload else "")
+        if isinstance(key, int):
+            # Items never change prefix: read it unlocked, lock the prefix, then the row.
+            found = self._one("SELECT prefix FROM items WHERE id = %s", (key,))
+            if found is None:
+                return None
+            self._lock(found[0])
+            row = self._one(f"SELECT {columns} FROM items WHERE id = %s FOR UPDATE", (key,))
+        else:
+            prefix, _, name = key.rpartition(":")
+            self._lock(prefix)
+            row = self._one(
+                f"SELECT {columns} FROM items WHERE prefix = %s AND key = %s FOR UPDATE",
+                (prefix, name),
+            )
+        return None if row is None else _item(row)
+
+    def external_id_taken(self, external_id: str) -> bool:
+        return self._one("SELECT 1 FROM items WHERE external_id = %s", (external_id,)) is not None
+
+    def insert(self, item: Item) -> QueueId:
+        self._lock(item.prefix)
+        # A savepoint only where a conflict can happen (an external id, unique across
+        # prefixes, so not covered by the prefix lock): it leaves the command usable.
+        savepoint = self._c.transaction() if item.external_id is not None else _NO_SAVEPOINT
+        try:
+            with savepoint:
+                row = self._one(
+                    "INSERT INTO items (prefix, key, status, priority, created, heartbeat,"
+                    " orphaned, extra, process_id, exclusive, external_id, payload)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                    (
+                        item.prefix,
+                        item.key,
+                        _STATUS_CODE[item.status],
+                        item.priority,
+                        item.created,
+                        item.heartbeat,
+                        item.orphaned,
+                        item.extra,
+                        item.process_id,
+                        item.exclusive,
+                        item.external_id,
+                        item.payload,
+                    ),
+                )
+        except psycopg.errors.UniqueViolation as exc:
+            # The path is locked by prefix, so only an external id of another prefix's
+            # item, taken meanwhile on another host, gets here.
+            raise ExternalIdConflictError(
+                f"external id {item.external_id!r} is already used by another queued item"
+            ) from exc
+        assert row is not None
+        if item.status == "pending":
+            self._count(item.prefix, 1, 0)
+        else:
+            self._count(item.prefix, 0, 1)
+        return int(row[0])
+
+    def _count(self, prefix: str, pending: int, active: int) -> None:
+        self._c.execute(
+            "INSERT INTO prefix_counts AS c (prefix, pending, active) VALUES (%s, %s, %s)"
+            " ON CONFLICT (prefix) DO UPDATE SET pending = c.pending + excluded.pending,"
+            " active = c.active + excluded.active",
+            (prefix, pending, active),
+        )
+
+    def activate(self, item: Item, now: int) -> None:
+        self._c.execute(
+            "UPDATE items SET status = %s, heartbeat = %s WHERE id = %s", (ACTIVE, now, item.id)
+        )
+        self._count(item.prefix, -1, 1)
+
+    def set_heartbeat(self, item: Item, now: int) -> None:
+        self._c.execute("UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
+
+    def set_orphaned(self, item: Item, deadline: int) -> None:
+        self._c.execute("UPDATE items SET orphaned = %s WHERE id = %s", (deadline, item.id))
+
+    def set_extra(self, item: Item, extra: str | None) -> None:
+        self._c.execute("UPDATE items SET extra = %s WHERE id = %s", (extra, item.id))
+
+    def delete(self, item: Item) -> None:
+        self._c.execute("DELETE FROM items WHERE id = %s", (item.id,))
+        if item.status == "pending":
+            self._count(item.prefix, -1, 0)
+        else:
+            self._count(item.prefix, 0, -1)
+
+    def counts(self, prefix: str) -> tuple[int, int]:
+        self._lock(prefix)
+        row = self._one("SELECT pending, active FROM prefix_counts WHERE prefix = %s", (prefix,))
+        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+    def active_keys(self, prefix: str) -> list[str]:
+        self._lock(prefix)
+        rows = self._all(
+            "SELECT key FROM items WHERE prefix = %s AND status = %s ORDER BY id", (prefix, ACTIVE)
+        )
+        return [row[0] for row in rows]
+
+    def items(
+        self,
+        prefix: str,
+        status: ItemStatus | None,
+        *,
+        process_id: str | None,
+        with_payload: bool,
+        limit: int | None,
+    ) -> list[Item]:
+        columns = _ITEM_COLUMNS + (", payload" if with_payload else "")
+        where = "prefix = %s AND (NOT exclusive OR process_id IS NOT DISTINCT FROM %s)"
+        params: list[Any] = [prefix, process_id]
+        if status is not None:
+            where += " AND status = %s"
+            params.append(_STATUS_CODE[status])
+        order = "id" if status == "active" else "priority DESC, id"
+        query = f"SELECT {columns} FROM items WHERE {where} ORDER BY {order}"
+        if limit is not None:
+            query += " LIMIT %s"
+            params.append(limit)
+        return [_item(row) for row in self._all(query, params)]
+
+    def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
+        rows = self._all(
+            f"SELECT {_ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
+            " AND (orphaned < %s OR (orphaned IS NULL AND created < %s))"
+            " ORDER BY priority DESC, id",
+            (prefix, PENDING, now, now - orphaned_timeout_ms),
+        )
+        return [_item(row) for row in rows]
+
+    def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
+        rows = self._all(
+            f"SELECT {_ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
+            " AND coalesce(heartbeat, created) < %s ORDER BY id",
+            (prefix, ACTIVE, now - heartbeat_timeout_ms),
+        )
+        return [_item(row) for row in rows]
+
+    # -- results ------------------------------------------------------------------------
+
+    def insert_result(self, result: StoredResult) -> None:
+        self._c.execute(
+            "INSERT INTO results (id, path, value, deleted, expire, external_id, consumed_by)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET"
+            " path = excluded.path, value = excluded.value, deleted = excluded.deleted,"
+            " expire = excluded.expire, external_id = excluded.external_id,"
+            " consumed_by = excluded.consumed_by",
+            (
+                result.id,
+                result.path,
+                result.value,
+                result.deleted,
+                result.expire,
+                result.external_id,
+                result.consumed_by,
+            ),
+        )
+
+    def result_by_id(self, id: QueueId, now: int) -> StoredResult | None:
+        return _result(
+            self._one(
+                f"SELECT {_RESULT_COLUMNS} FROM results WHERE id = %s AND expire > %s"
+                " AND NOT taken FOR UPDATE",
+                (id, now),
+            )
+        )
+
+    def latest_result_by_path(self, path: str, now: int) -> StoredResult | None:
+        return _result(
+            self._one(
+                f"SELECT {_RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
+                " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE",
+                (path, now),
+            )
+        )
+
+    def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None:
+        return _result(
+            self._one(
+                f"SELECT {_RESULT_COLUMNS} FROM results WHERE external_id = %s AND expire > %s"
+                " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE",
+                (external_id, now),
+            )
+        )
+
+    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
+        self._c.execute(
+            "UPDATE results SET deleted = true, consumed_by = %s WHERE id = %s AND NOT deleted",
+            (consumer, id),
+        )
+
+    def delete_result(self, id: QueueId) -> None:
+        # Taken rather than deleted: gone for every read, but the waiters of other hosts,
+        # woken by the same ACK, can still fetch it (see `fetch_acked`) until it expires.
+        self._c.execute("UPDATE results SET deleted = true, taken = true WHERE id = %s", (id,))
+
+    def fetch_acked(self, id: QueueId, now: int) -> str | None:
+        row = self._one("SELECT value FROM results WHERE id = %s AND expire > %s", (id, now))
+        return None if row is None else str(row[0])
+
+    def purge_expired_results(self, now: int, limit: int) -> int:
+        # A bounded batch, skipping rows another host is purging: never a long lock.
+        cursor = self._c.execute(
+            "DELETE FROM results WHERE id IN (SELECT id FROM results WHERE expire <= %s"
+            " LIMIT %s FOR UPDATE SKIP LOCKED)",
+            (now, limit),
+        )
+        return cursor.rowcount
+
+    def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
+        oldest = dict(self._all("SELECT prefix, min(created) FROM items GROUP BY prefix"))
+        found = [
+            PrefixOverview(prefix, pending, active, oldest.get(prefix))
+            for prefix, pending, active in self._all(
+                "SELECT prefix, pending, active FROM prefix_counts"
+                " WHERE pending > 0 OR active > 0 ORDER BY prefix"
+            )
+        ]
+        row = self._one("SELECT count(*) FROM results WHERE expire > %s", (now,))
+        return found, int(row[0]) if row else 0
+
+    def refresh_active_heartbeats(self, now: int) -> int:
+        cursor = self._c.execute("UPDATE items SET heartbeat = %s WHERE status = %s", (now, ACTIVE))
+        return cursor.rowcount
+
+    def truncate(self) -> None:
+        # DELETE rather than TRUNCATE: the identity keeps counting, ids are never reused.
+        self._c.execute("DELETE FROM items")
+        self._c.execute("DELETE FROM results")
+        self._c.execute("DELETE FROM prefix_counts")
+
+    def acked(self, item: Item, result: str | None) -> None:
+        # Delivered when this transaction commits, to every host listening.
+        note = {"id": item.id, "path": item.path, "null": result is None, "ext": item.external_id}
+        self._c.execute("SELECT pg_notify(%s, %s)", (self._channel, orjson.dumps(note).decode()))
+
+
+class PostgresQueueStore(QueueStore):
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str = "queryqueue",
+        clock: Clock | None = None,
+        result_ttl_ms: int = DEFAULT_RESULT_TTL_MS,
+        recheck_ms: int = 1_000,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(clock=clock, result_ttl_ms=result_ttl_ms)
+        if not schema.replace("_", "").isalnum():
+            raise ValueError(f"schema must be letters, digits and _, got {schema!r}")
+        self.url = url
+        self.schema = schema
+        self.recheck_ms = recheck_ms
+        self.connect_timeout = connect_timeout
+        self.channel = f"queryqueue_ack_{schema}"
+        self.reconnects = 0
+        self._lock = threading.RLock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._closed = False
+        conn = self._connect()
+        try:
+            migrate(conn, schema)
+        except psycopg.Error as exc:
+            conn.close()
+            raise StoreError(f"cannot migrate the queue schema {schema!r}: {exc}") from exc
+        self._conn = conn
+        self._listening = threading.Event()
+        self._listener = threading.Thread(
+            target=self._listen, name=f"queryqueue-listen-{schema}", daemon=True
+        )
+        self._listener.start()
+        self._listening.wait(connect_timeout)
+
+    # -- connections ----------------------------------------------------------------------
+
+    def _connect(self, *, autocommit: bool = False) -> psycopg.Connection[Any]:
+        try:
+            conn = psycopg.connect(
+                self.url,
+                autocommit=autocommit,
+                connect_timeout=max(1, int(self.connect_timeout)),
+                options=f"-c search_path={self.schema}",
+                # Says whose connection this is in pg_stat_activity.
+                application_name=f"queryqueue:{self.schema}",
+            )
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to the queue database: {exc}") from exc
+        return conn
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._closed:
+            raise StoreError("the queue store is closed")
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            if self._conn is not None:
+                with contextlib.suppress(psycopg.Error):
+                    self._conn.close()
+                self.reconnects += 1
+            self._conn = self._connect()
+        return self._conn
+
+    @contextmanager
+    def _atomic(self) -> Iterator[PostgresTransaction]:
+        with self._lock:
+            conn = self._connection()
+            committing = False
+            try:
+                with conn.transaction():
+                    yield PostgresTransaction(conn, self.channel)
+                    committing = True  # leaving the block sends COMMIT
+            except psycopg.OperationalError as exc:
+                if conn.broken or conn.closed:
+                    if not committing:
+                        raise _Disconnected(f"the queue database went away: {exc}") from exc
+                    raise StoreError(
+                        f"the queue database went away during COMMIT; the outcome is unknown: {exc}"
+                    ) from exc
+                raise StoreError(f"queue database: {exc}") from exc
+            except psycopg.Error as exc:
+                raise StoreError(f"queue database: {exc}") from exc
+
+    def _again_if_disconnected(self, command: Callable[[], T]) -> T:
+        try:
+            return command()
+        except _Disconnected:
+            return command()  # on a fresh connection; the first attempt changed nothing
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+        # The listener notices within its poll period and ends by itself (a daemon thread).
+        self._listener.join(timeout=0.01)
+
+    # -- LISTEN ----------------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        delay = 0.05
+        while not self._closed:
+            try:
+                conn = self._connect(autocommit=True)
+            except StoreError:
+                self._listening.set()  # do not hold up the constructor: re-checks cover
+                threading.Event().wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            try:
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                self._listening.set()
+                delay = 0.05
+                while not self._closed:
+                    for note in conn.notifies(timeout=0.5):
+                        self._publish(note.payload)
+            except psycopg.Error:
+                pass  # reconnect; what was missed meanwhile, re-checks find
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+
+    def _publish(self, payload: str) -> None:
+        try:
+            note = orjson.loads(payload)
+            event = AckEvent(
+                int(note["id"]), str(note["path"]), None if note["null"] else _FETCH, note["ext"]
+            )
+        except (ValueError, KeyError, TypeError):
+            return
+        self.waiters.publish(event)
+
+    # -- RESULT_BLOCKING across hosts -------------------------------------------------------
+
+    async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
+        """As in every store, but the ACK may come from any host: woken by its NOTIFY, and
+        re-checked every `recheck_ms` should a notification be missed."""
+        v.check_key(key)
+        v.check_non_negative_ms("timeout", timeout_ms)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        while True:
+            waiter = self.waiters.subscribe(key)
+            try:
+                found = self._again_if_disconnected(functools.partial(self._lookup, key))
+                if found is not None:
+                    return found
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                try:
+                    event = await wait_within(waiter.future, min(remaining, self.recheck_ms / 1000))
+                except TimeoutError:
+                    continue  # the bounded re-check
+            finally:
+                self.waiters.unsubscribe(waiter)
+            return self._again_if_disconnected(functools.partial(self._take, key, event))
+
+    def _lookup(self, key: QueueKey) -> ResultResponse | None:
+        with self._atomic() as tx:
+            return self._lookup_result(tx, key, None, self.clock.now_ms())
+
+    def _take(self, key: QueueKey, event: AckEvent) -> ResultResponse | None:
+        if event.result is None:  # ACK with NULL: answered, with no payload
+            return ResultResponse(
+                payload=None, type=ResultStatus.SUCCESS, id=event.id, external_id=event.external_id
+            )
+        with self._atomic() as tx:
+            value: str | None = event.result
+            if value == _FETCH:
+                value = tx.fetch_acked(event.id, self.clock.now_ms())
+                if value is None:
+                    return None  # expired meanwhile
+            # As in every store: a waiter by path takes the row, a waiter by id leaves it.
+            if isinstance(key, int):
+                tx.mark_result_deleted(event.id)
+            else:
+                tx.delete_result(event.id)
+        return ResultResponse(
+            payload=value, type=ResultStatus.SUCCESS, id=event.id, external_id=event.external_id
+        )
+
+
+def _retrying(method: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(method)
+    def command(self: PostgresQueueStore, *args: Any, **kwargs: Any) -> T:
+        return self._again_if_disconnected(lambda: method(self, *args, **kwargs))
+
+    return command
+
+
+for _name in (
+    "add",
+    "add_and_retrieve",
+    "retrieve",
+    "ack",
+    "result",
+    "get",
+    "cancel",
+    "heartbeat",
+    "merge_extra",
+    "list_items",
+    "pending",
+    "active",
+    "to_cancel",
+    "stalled",
+    "orphaned",
+    "truncate",
+    "describe",
+    "refresh_active_heartbeats",
+):
+    setattr(PostgresQueueStore, _name, _retrying(getattr(QueueStore, _name)))

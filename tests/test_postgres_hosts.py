@@ -1,0 +1,202 @@
+"""Several supervisors ("hosts") sharing one queue on PostgreSQL, each with its own worker
+pool and callers; and the database connection killed under load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.errors import ContinueWaitError, StoreError
+from supervisor.client import SocketQueueDriver
+from supervisor.launch import SupervisorProcess, launch
+from tests.postgres_util import URL, drop_schema, fresh_schema, require_postgres
+from tests.waiting import wait_until
+
+APP = "tests.apps.pool_app:app"
+
+
+@pytest.fixture
+def schema() -> Iterator[str]:
+    require_postgres()
+    name = fresh_schema()
+    yield name
+    drop_schema(name)
+
+
+def _host(workdir: Path, name: str, schema: str, *options: str) -> SupervisorProcess:
+    return launch(
+        workdir / f"{name}.db",
+        workdir / f"{name}.sock",
+        "--schema",
+        schema,
+        *options,
+        store=URL,
+    )
+
+
+def _pool_host(workdir: Path, name: str, schema: str) -> SupervisorProcess:
+    return _host(workdir, name, schema, "--app", APP, "--workers", "2", "--cancel-grace", "1")
+
+
+def _trace(workdir: Path) -> list[list[str]]:
+    path = workdir / "trace"
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _max_overlap(trace: list[list[str]]) -> int:
+    edges = sorted(
+        (float(t[3]), 1 if t[0] == "start" else -1) for t in trace if t[0] in ("start", "end")
+    )
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+async def _ask(queue: Any, key: str, seconds: float) -> Any:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return await queue.execute_in_queue("sql", key, {"key": key, "seconds": seconds})
+        except ContinueWaitError:
+            assert time.monotonic() < deadline, f"no result for {key}"
+
+
+async def test_two_hosts_share_dedup_and_the_concurrency_budget(
+    workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.apps.pool_app import app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
+    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
+    queues = [app.pool_queue(d, continue_wait_timeout=30.0) for d in drivers]
+    try:
+        keys = [f"k{i}" for i in range(6)]
+        # Every key asked on both hosts at once: each runs once, somewhere.
+        results = await asyncio.gather(*(_ask(q, key, 0.3) for key in keys for q in queues))
+        assert [r["key"] for r in results] == [key for key in keys for _ in queues]
+        trace = _trace(workdir)
+        starts = sorted(t[1] for t in trace if t[0] == "start")
+        assert starts == keys
+        # The prefix's budget (2) held across 4 workers on 2 hosts: recorded, not assumed.
+        assert _max_overlap(trace) == 2
+        ran_on = {int(t[2]) for t in trace if t[0] == "start"}
+        pools = [set(w["pid"] for w in (await d.stats())["pool"]["workers"]) for d in drivers]
+        assert ran_on <= pools[0] | pools[1]
+    finally:
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        for host in hosts:
+            assert host.stop() == 0
+
+
+async def test_a_host_killed_mid_query_is_reclaimed_by_the_other(
+    workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.apps.pool_app import app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
+    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
+    queues = [app.pool_queue(d, continue_wait_timeout=1.0) for d in drivers]
+    pools = [[w["pid"] for w in (await d.stats())["pool"]["workers"]] for d in drivers]
+    try:
+        callers = [asyncio.ensure_future(_ask(q, "slow", 3.0)) for q in queues]
+        await wait_until(lambda: any(t[0] == "start" for t in _trace(workdir)), within=30)
+        runner = int(next(t for t in _trace(workdir) if t[0] == "start")[2])
+        dead = 0 if runner in pools[0] else 1
+        alive = 1 - dead
+        # The whole host goes: its supervisor and its workers, without a word.
+        hosts[dead].kill9()
+        for pid in pools[dead]:
+            with contextlib.suppress(ProcessLookupError):  # gone with its supervisor
+                os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        callers[dead].cancel()
+        # The surviving host reaps the stalled item (TO_CANCEL) and runs it again.
+        result = await asyncio.wait_for(callers[alive], 60)
+        assert result["key"] == "slow" and result["pid"] in pools[alive]
+        starts = [t for t in _trace(workdir) if t[0] == "start"]
+        assert len(starts) == 2 and int(starts[1][2]) in pools[alive]
+        # Re-run only once the first execution was dead and its heartbeats stale.
+        assert float(starts[1][3]) >= killed_at
+        assert (await drivers[alive].list_items("pool")) == []
+    finally:
+        await asyncio.gather(*callers, return_exceptions=True)
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        assert hosts[1 - dead].stop() == 0
+
+
+async def test_killed_database_connections_lose_no_acknowledged_result(
+    workdir: Path, schema: str
+) -> None:
+    import psycopg
+
+    host = _host(workdir, "a", schema)
+    driver = SocketQueueDriver(host.socket_path)
+    stop = threading.Event()
+    kills = 0
+
+    def terminate_forever() -> None:
+        nonlocal kills
+        with psycopg.connect(URL, autocommit=True) as admin:
+            while not stop.wait(0.05):
+                row = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                    " WHERE application_name = %s",
+                    (f"queryqueue:{schema}",),
+                ).fetchone()
+                kills += int(row[0]) if row else 0
+
+    killer = threading.Thread(target=terminate_forever, daemon=True)
+    acked: dict[str, str] = {}
+    try:
+        killer.start()
+        for i in range(150):
+            path = f"p:k{i}"
+            value = f'{{"n":{i}}}'
+            await _until_done(driver.add, path, '{"q":1}')
+            item = await _until_done(driver.retrieve, path, concurrency=1000)
+            assert item is not None
+            ack = await _until_done(driver.ack, item.id or 0, value)
+            if not ack.success:
+                # Only an ACK re-sent after its first COMMIT's answer was lost finds no item:
+                # then that first one took effect.
+                assert await driver.result(item.id or 0) is not None
+            acked[path] = value
+        stop.set()
+        killer.join()
+        assert kills > 0  # the connections really were killed under load
+        for path, value in acked.items():
+            found = await driver.result(path)
+            assert found is not None and found.payload == value, path
+        assert await driver.list_items("p") == []  # nothing wedged
+    finally:
+        stop.set()
+        await driver.close()
+        assert host.stop() == 0
+
+
+async def _until_done(command: Any, *args: Any, **kwargs: Any) -> Any:
+    """A command the store reported as failed (its connection died during COMMIT) is
+    asked again: every one of these is safe to repeat."""
+    for _ in range(20):
+        try:
+            return await command(*args, **kwargs)
+        except StoreError:
+            await asyncio.sleep(0.05)
+    raise AssertionError("the store never recovered")
