@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,105 +296,109 @@ def _noop_shares(n: int, processes: int, tag: str) -> list[list[Job]]:
 # -- workloads -------------------------------------------------------------------------------------
 
 
-def throughput(n: int, reps: int, producers: int = 4, in_flight: int = 64) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Setup:
+    """One way to run queryqueue: what the rows call it, and how its hosts are started."""
+
+    system: str
+    hosts: Callable[[], AbstractContextManager[list[SupervisorProcess]]]
+    settings: str
+
+
+def sqlite_setup(synchronous: str = "NORMAL") -> Setup:
+    return Setup(
+        f"queryqueue (SQLite {synchronous})",
+        lambda: _one_host(supervisor_for("--synchronous", synchronous)),
+        f"2 workers, SQLite synchronous={synchronous}",
+    )
+
+
+def postgres_setup(count: int) -> Setup:
+    return Setup(
+        f"queryqueue (PostgreSQL, {count} supervisor{'s' if count > 1 else ''})",
+        lambda: postgres_hosts(count),
+        f"{count} supervisor(s) x 2 workers on one local PostgreSQL "
+        "(READ COMMITTED, an advisory lock per prefix)",
+    )
+
+
+@contextmanager
+def _one_host(
+    supervisor: AbstractContextManager[SupervisorProcess],
+) -> Iterator[list[SupervisorProcess]]:
+    with supervisor as host:
+        yield [host]
+
+
+def _postgres_or_skip(
+    workload: str, make: Callable[[], list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    reason = postgres_unavailable()
+    if reason is not None:
+        return [{"workload": workload, "system": "queryqueue (PostgreSQL)", "skipped": reason}]
+    return make()
+
+
+def throughput(
+    n: int,
+    reps: int,
+    setups: list[Setup] | None = None,
+    producers: int = 4,
+    in_flight: int = 64,
+) -> list[dict[str, Any]]:
     rows = []
-    for synchronous in ("NORMAL", "FULL"):
+    for setup in setups or [sqlite_setup("NORMAL"), sqlite_setup("FULL")]:
         runs = []
         for rep in range(reps):
-            with supervisor_for("--synchronous", synchronous) as supervisor:
+            with setup.hosts() as hosts:
                 runs.append(
-                    drive(supervisor, _noop_shares(n, producers, f"t{rep}"), in_flight=in_flight)
+                    drive(hosts, _noop_shares(n, producers, f"t{rep}"), in_flight=in_flight)
                 )
         rows.append(
             _row(
                 "throughput",
-                f"queryqueue (SQLite {synchronous})",
+                setup.system,
                 runs,
                 n,
-                settings=f"2 workers, {producers} request processes x {in_flight} in flight, "
-                f"concurrency 2, synchronous={synchronous}",
+                settings=f"{setup.settings}, {producers} request processes x {in_flight} "
+                "in flight, concurrency 2",
                 metric=("queries/s", [len(r.records) / r.wall for r in runs]),
             )
         )
     return rows
 
 
-def postgres_throughput(
-    n: int, reps: int, producers: int = 4, in_flight: int = 64
-) -> list[dict[str, Any]]:
-    reason = postgres_unavailable()
-    if reason is not None:
-        return [{"workload": "throughput", "system": "queryqueue (PostgreSQL)", "skipped": reason}]
+def postgres_throughput(n: int, reps: int) -> list[dict[str, Any]]:
+    return _postgres_or_skip(
+        "throughput", lambda: throughput(n, reps, [postgres_setup(1), postgres_setup(2)])
+    )
+
+
+def idle_latency(n: int, reps: int, setup: Setup | None = None) -> list[dict[str, Any]]:
+    setup = setup or sqlite_setup()
     rows = []
-    for count in (1, 2):
+    for priority, label in ((10, "fast track (priority 10)"), (0, "queued (priority 0)")):
         runs = []
         for rep in range(reps):
-            with postgres_hosts(count) as hosts:
-                runs.append(
-                    drive(hosts, _noop_shares(n, producers, f"pg{rep}"), in_flight=in_flight)
-                )
+            with setup.hosts() as hosts:
+                jobs = [Job("noop", ["lat", rep, i], {}, priority) for i in range(n)]
+                runs.append(drive(hosts, [jobs], in_flight=1))
         rows.append(
             _row(
-                "throughput",
-                f"queryqueue (PostgreSQL, {count} supervisor{'s' if count > 1 else ''})",
+                "idle_latency",
+                f"{setup.system}, {label}",
                 runs,
                 n,
-                settings=f"{count} supervisor(s) x 2 workers on one local PostgreSQL 15 "
-                f"(READ COMMITTED, advisory lock per prefix), {producers} request processes "
-                f"x {in_flight} in flight, concurrency 2 across hosts",
-                metric=("queries/s", [len(r.records) / r.wall for r in runs]),
+                settings=f"one caller, sequential, {setup.settings}",
+                metric=("p50 ms", [quantiles(r.latencies)["p50_ms"] for r in runs]),
+                latency=True,
             )
         )
     return rows
 
 
 def postgres_idle_latency(n: int, reps: int) -> list[dict[str, Any]]:
-    reason = postgres_unavailable()
-    if reason is not None:
-        return [
-            {"workload": "idle_latency", "system": "queryqueue (PostgreSQL)", "skipped": reason}
-        ]
-    rows = []
-    for priority, label in ((10, "fast track (priority 10)"), (0, "queued (priority 0)")):
-        runs = []
-        for rep in range(reps):
-            with postgres_hosts(1) as hosts:
-                jobs = [Job("noop", ["lat", rep, i], {}, priority) for i in range(n)]
-                runs.append(drive(hosts, [jobs], in_flight=1))
-        rows.append(
-            _row(
-                "idle_latency",
-                f"queryqueue (PostgreSQL), {label}",
-                runs,
-                n,
-                settings="one caller, sequential, one supervisor, 2 workers",
-                metric=("p50 ms", [quantiles(r.latencies)["p50_ms"] for r in runs]),
-                latency=True,
-            )
-        )
-    return rows
-
-
-def idle_latency(n: int, reps: int) -> list[dict[str, Any]]:
-    rows = []
-    for priority, label in ((10, "fast track (priority 10)"), (0, "queued (priority 0)")):
-        runs = []
-        for rep in range(reps):
-            with supervisor_for() as supervisor:
-                jobs = [Job("noop", ["lat", rep, i], {}, priority) for i in range(n)]
-                runs.append(drive(supervisor, [jobs], in_flight=1))
-        rows.append(
-            _row(
-                "idle_latency",
-                f"queryqueue, {label}",
-                runs,
-                n,
-                settings="one caller, sequential, SQLite NORMAL, 2 workers",
-                metric=("p50 ms", [quantiles(r.latencies)["p50_ms"] for r in runs]),
-                latency=True,
-            )
-        )
-    return rows
+    return _postgres_or_skip("idle_latency", lambda: idle_latency(n, reps, postgres_setup(1)))
 
 
 def dedup_storm(n: int, reps: int, processes: int = 8) -> list[dict[str, Any]]:

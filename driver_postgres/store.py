@@ -39,16 +39,21 @@ from engine.aio import wait_within
 from engine.clock import Clock
 from engine.errors import ExternalIdConflictError, StoreError
 from engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
-from engine.store import DEFAULT_RESULT_TTL_MS, Item, PrefixOverview, QueueStore, StoredResult
+from engine.store import (
+    DEFAULT_RESULT_TTL_MS,
+    ITEM_COLUMNS,
+    QUEUE_COMMANDS,
+    RESULT_COLUMNS,
+    STATUS_CODE,
+    Item,
+    PrefixOverview,
+    QueueStore,
+    StoredResult,
+    item_from_row,
+    result_from_row,
+)
 from engine.waiters import AckEvent
 
-_ITEM_COLUMNS = (
-    "id, prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id, "
-    "exclusive, external_id"
-)
-_RESULT_COLUMNS = "id, path, value, deleted, expire, external_id, consumed_by"
-_STATUS_CODE: dict[ItemStatus, int] = {"pending": PENDING, "active": ACTIVE}
-_STATUS_NAME: dict[int, ItemStatus] = {PENDING: "pending", ACTIVE: "active"}
 # An ACK from another host: the waiter reads the result itself (NOTIFY carries no payload).
 _FETCH = "\x00fetch"
 
@@ -58,38 +63,6 @@ _NO_SAVEPOINT = contextlib.nullcontext()
 
 class _Disconnected(StoreError):
     """The connection broke before COMMIT was sent: the command had no effect."""
-
-
-def _item(row: tuple[Any, ...]) -> Item:
-    return Item(
-        id=row[0],
-        prefix=row[1],
-        key=row[2],
-        status=_STATUS_NAME[row[3]],
-        priority=row[4],
-        created=row[5],
-        heartbeat=row[6],
-        orphaned=row[7],
-        extra=row[8],
-        process_id=row[9],
-        exclusive=bool(row[10]),
-        external_id=row[11],
-        payload=row[12] if len(row) > 12 else None,
-    )
-
-
-def _result(row: tuple[Any, ...] | None) -> StoredResult | None:
-    if row is None:
-        return None
-    return StoredResult(
-        id=row[0],
-        path=row[1],
-        value=row[2],
-        deleted=bool(row[3]),
-        expire=row[4],
-        external_id=row[5],
-        consumed_by=row[6],
-    )
 
 
 class PostgresTransaction:
@@ -117,7 +90,7 @@ class PostgresTransaction:
     # -- items ------------------------------------------------------------------------
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
-        columns = _ITEM_COLUMNS + (", payload" if with_payload else "")
+        columns = ITEM_COLUMNS + (", payload" if with_payload else "")
         if isinstance(key, int):
             # Items never change prefix: read it unlocked, lock the prefix, then the row.
             found = self._one("SELECT prefix FROM items WHERE id = %s", (key,))
@@ -132,7 +105,7 @@ class PostgresTransaction:
                 f"SELECT {columns} FROM items WHERE prefix = %s AND key = %s FOR UPDATE",
                 (prefix, name),
             )
-        return None if row is None else _item(row)
+        return None if row is None else item_from_row(row)
 
     def external_id_taken(self, external_id: str) -> bool:
         return self._one("SELECT 1 FROM items WHERE external_id = %s", (external_id,)) is not None
@@ -151,7 +124,7 @@ class PostgresTransaction:
                     (
                         item.prefix,
                         item.key,
-                        _STATUS_CODE[item.status],
+                        STATUS_CODE[item.status],
                         item.priority,
                         item.created,
                         item.heartbeat,
@@ -227,35 +200,35 @@ class PostgresTransaction:
         with_payload: bool,
         limit: int | None,
     ) -> list[Item]:
-        columns = _ITEM_COLUMNS + (", payload" if with_payload else "")
+        columns = ITEM_COLUMNS + (", payload" if with_payload else "")
         where = "prefix = %s AND (NOT exclusive OR process_id IS NOT DISTINCT FROM %s)"
         params: list[Any] = [prefix, process_id]
         if status is not None:
             where += " AND status = %s"
-            params.append(_STATUS_CODE[status])
+            params.append(STATUS_CODE[status])
         order = "id" if status == "active" else "priority DESC, id"
         query = f"SELECT {columns} FROM items WHERE {where} ORDER BY {order}"
         if limit is not None:
             query += " LIMIT %s"
             params.append(limit)
-        return [_item(row) for row in self._all(query, params)]
+        return [item_from_row(row) for row in self._all(query, params)]
 
     def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
         rows = self._all(
-            f"SELECT {_ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
+            f"SELECT {ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
             " AND (orphaned < %s OR (orphaned IS NULL AND created < %s))"
             " ORDER BY priority DESC, id",
             (prefix, PENDING, now, now - orphaned_timeout_ms),
         )
-        return [_item(row) for row in rows]
+        return [item_from_row(row) for row in rows]
 
     def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
         rows = self._all(
-            f"SELECT {_ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
+            f"SELECT {ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
             " AND coalesce(heartbeat, created) < %s ORDER BY id",
             (prefix, ACTIVE, now - heartbeat_timeout_ms),
         )
-        return [_item(row) for row in rows]
+        return [item_from_row(row) for row in rows]
 
     # -- results ------------------------------------------------------------------------
 
@@ -278,27 +251,27 @@ class PostgresTransaction:
         )
 
     def result_by_id(self, id: QueueId, now: int) -> StoredResult | None:
-        return _result(
+        return result_from_row(
             self._one(
-                f"SELECT {_RESULT_COLUMNS} FROM results WHERE id = %s AND expire > %s"
+                f"SELECT {RESULT_COLUMNS} FROM results WHERE id = %s AND expire > %s"
                 " AND NOT taken FOR UPDATE",
                 (id, now),
             )
         )
 
     def latest_result_by_path(self, path: str, now: int) -> StoredResult | None:
-        return _result(
+        return result_from_row(
             self._one(
-                f"SELECT {_RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
+                f"SELECT {RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
                 " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE",
                 (path, now),
             )
         )
 
     def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None:
-        return _result(
+        return result_from_row(
             self._one(
-                f"SELECT {_RESULT_COLUMNS} FROM results WHERE external_id = %s AND expire > %s"
+                f"SELECT {RESULT_COLUMNS} FROM results WHERE external_id = %s AND expire > %s"
                 " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE",
                 (external_id, now),
             )
@@ -548,23 +521,11 @@ def _retrying(method: Callable[..., T]) -> Callable[..., T]:
     return command
 
 
+# Every synchronous command (RESULT_BLOCKING retries its own steps).
 for _name in (
-    "add",
-    "add_and_retrieve",
-    "retrieve",
-    "ack",
-    "result",
-    "get",
-    "cancel",
-    "heartbeat",
-    "merge_extra",
-    "list_items",
-    "pending",
-    "active",
-    "to_cancel",
+    *(c for c in QUEUE_COMMANDS if c != "result_blocking"),
     "stalled",
     "orphaned",
-    "truncate",
     "describe",
     "refresh_active_heartbeats",
 ):

@@ -26,49 +26,20 @@ from driver_sqlite.schema import ACTIVE, PENDING, migrate
 from engine.clock import Clock
 from engine.errors import StoreError
 from engine.responses import ItemStatus, QueueId, QueueKey
-from engine.store import DEFAULT_RESULT_TTL_MS, Item, PrefixOverview, QueueStore, StoredResult
+from engine.store import (
+    DEFAULT_RESULT_TTL_MS,
+    ITEM_COLUMNS,
+    RESULT_COLUMNS,
+    STATUS_CODE,
+    Item,
+    PrefixOverview,
+    QueueStore,
+    StoredResult,
+    item_from_row,
+    result_from_row,
+)
 
 Synchronous = Literal["NORMAL", "FULL"]
-
-_ITEM_COLUMNS = (
-    "id, prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id, "
-    "exclusive, external_id"
-)
-_RESULT_COLUMNS = "id, path, value, deleted, expire, external_id, consumed_by"
-_STATUS_CODE: dict[ItemStatus, int] = {"pending": PENDING, "active": ACTIVE}
-_STATUS_NAME: dict[int, ItemStatus] = {PENDING: "pending", ACTIVE: "active"}
-
-
-def _item(row: tuple[Any, ...]) -> Item:
-    return Item(
-        id=row[0],
-        prefix=row[1],
-        key=row[2],
-        status=_STATUS_NAME[row[3]],
-        priority=row[4],
-        created=row[5],
-        heartbeat=row[6],
-        orphaned=row[7],
-        extra=row[8],
-        process_id=row[9],
-        exclusive=bool(row[10]),
-        external_id=row[11],
-        payload=row[12] if len(row) > 12 else None,
-    )
-
-
-def _result(row: tuple[Any, ...] | None) -> StoredResult | None:
-    if row is None:
-        return None
-    return StoredResult(
-        id=row[0],
-        path=row[1],
-        value=row[2],
-        deleted=bool(row[3]),
-        expire=row[4],
-        external_id=row[5],
-        consumed_by=row[6],
-    )
 
 
 class SqliteTransaction:
@@ -82,7 +53,7 @@ class SqliteTransaction:
     # -- items ------------------------------------------------------------------------
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
-        columns = _ITEM_COLUMNS + (", payload" if with_payload else "")
+        columns = ITEM_COLUMNS + (", payload" if with_payload else "")
         if isinstance(key, int):
             row = self._one(f"SELECT {columns} FROM items WHERE id = ?", (key,))
         else:
@@ -90,7 +61,7 @@ class SqliteTransaction:
             row = self._one(
                 f"SELECT {columns} FROM items WHERE prefix = ? AND key = ?", (prefix, name)
             )
-        return None if row is None else _item(row)
+        return None if row is None else item_from_row(row)
 
     def external_id_taken(self, external_id: str) -> bool:
         return self._one("SELECT 1 FROM items WHERE external_id = ?", (external_id,)) is not None
@@ -103,7 +74,7 @@ class SqliteTransaction:
             (
                 item.prefix,
                 item.key,
-                _STATUS_CODE[item.status],
+                STATUS_CODE[item.status],
                 item.priority,
                 item.created,
                 item.heartbeat,
@@ -171,38 +142,38 @@ class SqliteTransaction:
         with_payload: bool,
         limit: int | None,
     ) -> list[Item]:
-        columns = _ITEM_COLUMNS + (", payload" if with_payload else "")
+        columns = ITEM_COLUMNS + (", payload" if with_payload else "")
         where = "prefix = ? AND (exclusive = 0 OR process_id IS ?)"
         params: list[Any] = [prefix, process_id]
         if status is not None:
             where += " AND status = ?"
-            params.append(_STATUS_CODE[status])
+            params.append(STATUS_CODE[status])
         order = "id" if status == "active" else "priority DESC, id"
         sql = f"SELECT {columns} FROM items WHERE {where} ORDER BY {order}"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(limit)
-        return [_item(row) for row in self._c.execute(sql, params)]
+        return [item_from_row(row) for row in self._c.execute(sql, params)]
 
     def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
         # Two index ranges on items_orphaned; NULL deadlines never satisfy `orphaned < ?`.
         rows = self._c.execute(
-            f"SELECT {_ITEM_COLUMNS} FROM items"
+            f"SELECT {ITEM_COLUMNS} FROM items"
             " WHERE prefix = ? AND status = ? AND orphaned < ?"
-            f" UNION ALL SELECT {_ITEM_COLUMNS} FROM items"
+            f" UNION ALL SELECT {ITEM_COLUMNS} FROM items"
             " WHERE prefix = ? AND status = ? AND orphaned IS NULL AND created < ?"
             " ORDER BY priority DESC, id",
             (prefix, PENDING, now, prefix, PENDING, now - orphaned_timeout_ms),
         )
-        return [_item(row) for row in rows]
+        return [item_from_row(row) for row in rows]
 
     def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
         rows = self._c.execute(
-            f"SELECT {_ITEM_COLUMNS} FROM items"
+            f"SELECT {ITEM_COLUMNS} FROM items"
             " WHERE prefix = ? AND status = ? AND coalesce(heartbeat, created) < ? ORDER BY id",
             (prefix, ACTIVE, now - heartbeat_timeout_ms),
         )
-        return [_item(row) for row in rows]
+        return [item_from_row(row) for row in rows]
 
     # -- results ------------------------------------------------------------------------
 
@@ -222,25 +193,25 @@ class SqliteTransaction:
         )
 
     def result_by_id(self, id: QueueId, now: int) -> StoredResult | None:
-        return _result(
+        return result_from_row(
             self._one(
-                f"SELECT {_RESULT_COLUMNS} FROM results WHERE id = ? AND expire > ?", (id, now)
+                f"SELECT {RESULT_COLUMNS} FROM results WHERE id = ? AND expire > ?", (id, now)
             )
         )
 
     def latest_result_by_path(self, path: str, now: int) -> StoredResult | None:
-        return _result(
+        return result_from_row(
             self._one(
-                f"SELECT {_RESULT_COLUMNS} FROM results WHERE path = ? AND expire > ?"
+                f"SELECT {RESULT_COLUMNS} FROM results WHERE path = ? AND expire > ?"
                 " ORDER BY id DESC LIMIT 1",
                 (path, now),
             )
         )
 
     def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None:
-        return _result(
+        return result_from_row(
             self._one(
-                f"SELECT {_RESULT_COLUMNS} FROM results WHERE external_id = ? AND expire > ?"
+                f"SELECT {RESULT_COLUMNS} FROM results WHERE external_id = ? AND expire > ?"
                 " ORDER BY id DESC LIMIT 1",
                 (external_id, now),
             )

@@ -26,7 +26,7 @@ anything is written.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -90,6 +90,68 @@ class StoredResult:
     expire: int
     external_id: str | None
     consumed_by: str | None = None  # the token of the RESULT-by-path read that consumed it
+
+
+# The QUEUE commands, by method name: what a supervisor serves to its clients.
+QUEUE_COMMANDS = (
+    "add",
+    "add_and_retrieve",
+    "retrieve",
+    "ack",
+    "result",
+    "result_blocking",
+    "get",
+    "cancel",
+    "heartbeat",
+    "merge_extra",
+    "list_items",
+    "pending",
+    "active",
+    "to_cancel",
+    "truncate",
+)
+
+# SQL stores read items and results in these column orders, and map rows back here.
+ITEM_COLUMNS = (
+    "id, prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id, "
+    "exclusive, external_id"
+)
+RESULT_COLUMNS = "id, path, value, deleted, expire, external_id, consumed_by"
+STATUS_CODE: dict[ItemStatus, int] = {"pending": 0, "active": 1}
+STATUS_NAME: dict[int, ItemStatus] = {0: "pending", 1: "active"}
+
+
+def item_from_row(row: Sequence[Any]) -> Item:
+    """An ITEM_COLUMNS row (plus payload, when selected) as an Item."""
+    return Item(
+        id=row[0],
+        prefix=row[1],
+        key=row[2],
+        status=STATUS_NAME[row[3]],
+        priority=row[4],
+        created=row[5],
+        heartbeat=row[6],
+        orphaned=row[7],
+        extra=row[8],
+        process_id=row[9],
+        exclusive=bool(row[10]),
+        external_id=row[11],
+        payload=row[12] if len(row) > 12 else None,
+    )
+
+
+def result_from_row(row: Sequence[Any] | None) -> StoredResult | None:
+    if row is None:
+        return None
+    return StoredResult(
+        id=row[0],
+        path=row[1],
+        value=row[2],
+        deleted=bool(row[3]),
+        expire=row[4],
+        external_id=row[5],
+        consumed_by=row[6],
+    )
 
 
 class StoreTransaction(Protocol):

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from engine.errors import InvalidCommandError, QueueError, StoreError
-from engine.store import QueueStore
+from engine.store import QUEUE_COMMANDS, QueueStore
 from engine.validation import check_process_id
 from supervisor import sqltext
 from supervisor.pool import WorkerPool
@@ -38,23 +38,7 @@ from supervisor.protocol import (
 from supervisor.shm import SegmentPool, name_prefix, parse_reference
 
 # Commands a client may call, and which of them take the connection's process id.
-COMMANDS = {
-    "add",
-    "add_and_retrieve",
-    "retrieve",
-    "ack",
-    "result",
-    "result_blocking",
-    "get",
-    "cancel",
-    "heartbeat",
-    "merge_extra",
-    "list_items",
-    "pending",
-    "active",
-    "to_cancel",
-    "truncate",
-}
+COMMANDS = frozenset(QUEUE_COMMANDS)
 _TAKES_PROCESS_ID = {"add", "add_and_retrieve", "retrieve", "list_items", "pending", "active"}
 _LATENCY_SAMPLES = 2048
 # Commands after which the pool's queue may have something to retrieve.

@@ -19,6 +19,7 @@ from engine.errors import ContinueWaitError, StoreError
 from supervisor.client import SocketQueueDriver
 from supervisor.launch import SupervisorProcess, launch
 from tests.postgres_util import URL, drop_schema, fresh_schema, require_postgres
+from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
 
 APP = "tests.apps.pool_app:app"
@@ -47,22 +48,6 @@ def _pool_host(workdir: Path, name: str, schema: str) -> SupervisorProcess:
     return _host(workdir, name, schema, "--app", APP, "--workers", "2", "--cancel-grace", "1")
 
 
-def _trace(workdir: Path) -> list[list[str]]:
-    path = workdir / "trace"
-    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _max_overlap(trace: list[list[str]]) -> int:
-    edges = sorted(
-        (float(t[3]), 1 if t[0] == "start" else -1) for t in trace if t[0] in ("start", "end")
-    )
-    running = peak = 0
-    for _, step in edges:
-        running += step
-        peak = max(peak, running)
-    return peak
-
-
 async def _ask(queue: Any, key: str, seconds: float) -> Any:
     deadline = time.monotonic() + 60
     while True:
@@ -86,11 +71,11 @@ async def test_two_hosts_share_dedup_and_the_concurrency_budget(
         # Every key asked on both hosts at once: each runs once, somewhere.
         results = await asyncio.gather(*(_ask(q, key, 0.3) for key in keys for q in queues))
         assert [r["key"] for r in results] == [key for key in keys for _ in queues]
-        trace = _trace(workdir)
+        trace = read_trace(workdir)
         starts = sorted(t[1] for t in trace if t[0] == "start")
         assert starts == keys
         # The prefix's budget (2) held across 4 workers on 2 hosts: recorded, not assumed.
-        assert _max_overlap(trace) == 2
+        assert max_overlap(trace) == 2
         ran_on = {int(t[2]) for t in trace if t[0] == "start"}
         pools = [set(w["pid"] for w in (await d.stats())["pool"]["workers"]) for d in drivers]
         assert ran_on <= pools[0] | pools[1]
@@ -114,8 +99,8 @@ async def test_a_host_killed_mid_query_is_reclaimed_by_the_other(
     pools = [[w["pid"] for w in (await d.stats())["pool"]["workers"]] for d in drivers]
     try:
         callers = [asyncio.ensure_future(_ask(q, "slow", 3.0)) for q in queues]
-        await wait_until(lambda: any(t[0] == "start" for t in _trace(workdir)), within=30)
-        runner = int(next(t for t in _trace(workdir) if t[0] == "start")[2])
+        await wait_until(lambda: any(t[0] == "start" for t in read_trace(workdir)), within=30)
+        runner = int(next(t for t in read_trace(workdir) if t[0] == "start")[2])
         dead = 0 if runner in pools[0] else 1
         alive = 1 - dead
         # The whole host goes: its supervisor and its workers, without a word.
@@ -128,7 +113,7 @@ async def test_a_host_killed_mid_query_is_reclaimed_by_the_other(
         # The surviving host reaps the stalled item (TO_CANCEL) and runs it again.
         result = await asyncio.wait_for(callers[alive], 60)
         assert result["key"] == "slow" and result["pid"] in pools[alive]
-        starts = [t for t in _trace(workdir) if t[0] == "start"]
+        starts = [t for t in read_trace(workdir) if t[0] == "start"]
         assert len(starts) == 2 and int(starts[1][2]) in pools[alive]
         # Re-run only once the first execution was dead and its heartbeats stale.
         assert float(starts[1][3]) >= killed_at

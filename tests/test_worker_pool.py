@@ -20,6 +20,7 @@ from driver_sqlite.store import SqliteQueueStore
 from engine.errors import ContinueWaitError
 from supervisor.client import SocketQueueDriver
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
+from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until_sync
 
 APP = "tests.apps.pool_app:app"
@@ -88,11 +89,6 @@ def _env(workdir: Path) -> dict[str, str]:
     }
 
 
-def _trace(workdir: Path) -> list[list[str]]:
-    path = workdir / "trace"
-    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _pool(supervisor: SupervisorProcess) -> dict[str, Any]:
     async def ask() -> dict[str, Any]:
         driver = SocketQueueDriver(supervisor.socket_path)
@@ -142,21 +138,10 @@ def test_requests_from_many_processes_run_once_in_the_pool_within_concurrency(
         pid, ran_in, streamed_in = orjson.loads(lines["pids"])
         assert set(ran_in) <= workers  # queries ran in the pool...
         assert streamed_in == [pid]  # ...the stream in the process that asked
-    trace = _trace(workdir)
+    trace = read_trace(workdir)
     starts = [t for t in trace if t[0] == "start"]
     assert sorted(t[1] for t in starts) == keys  # one execution per key for all 18 requests
-    assert _max_overlap(trace) == 2  # concurrency 2, although the pool has 3 workers
-
-
-def _max_overlap(trace: list[list[str]]) -> int:
-    edges = sorted(
-        (float(t[3]), 1 if t[0] == "start" else -1) for t in trace if t[0] in ("start", "end")
-    )
-    running = peak = 0
-    for _, step in edges:
-        running += step
-        peak = max(peak, running)
-    return peak
+    assert max_overlap(trace) == 2  # concurrency 2, although the pool has 3 workers
 
 
 def test_a_killed_worker_is_replaced_and_its_item_reclaimed_at_once(
@@ -174,22 +159,24 @@ def test_a_killed_worker_is_replaced_and_its_item_reclaimed_at_once(
     )
     try:
         wait_until_sync(
-            lambda: any(t[0] == "start" for t in _trace(workdir)), within=60, what="query running"
+            lambda: any(t[0] == "start" for t in read_trace(workdir)),
+            within=60,
+            what="query running",
         )
-        victim = int(next(t for t in _trace(workdir) if t[0] == "start")[2])
+        victim = int(next(t for t in read_trace(workdir) if t[0] == "start")[2])
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         # reclaimed through the store at once, not a heartbeat timeout later
         wait_until_sync(
-            lambda: any(t[0] == "cancel" for t in _trace(workdir)), within=10, what="reclaim"
+            lambda: any(t[0] == "cancel" for t in read_trace(workdir)), within=10, what="reclaim"
         )
         reclaimed_in = time.monotonic() - killed_at
         assert reclaimed_in < 2.0
         wait_until_sync(lambda: _pool(pool)["replaced"] == 1, within=30, what="worker replaced")
         assert len(_worker_pids(pool)) == 3 and victim not in _worker_pids(pool)
         # the caller's retry runs it afresh (in another worker) and gets a result
-        wait_until_sync(lambda: sum(t[0] == "start" for t in _trace(workdir)) == 2, within=60)
-        second = [t for t in _trace(workdir) if t[0] == "start"][1]
+        wait_until_sync(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=60)
+        second = [t for t in read_trace(workdir) if t[0] == "start"][1]
         assert int(second[2]) != victim
         client.send_signal(signal.SIGTERM)
     finally:
@@ -216,7 +203,7 @@ def test_a_worker_holding_the_gil_is_not_reaped_while_alive(
         held, beats = gil.stdout.split()
         assert float(held) > 1.0  # longer than the 1 s heartbeat timeout (4 x 0.25 s)
         assert int(beats) > 3  # other queries kept reconciling meanwhile
-        assert not [t for t in _trace(workdir) if t[0] == "cancel"]
+        assert not [t for t in read_trace(workdir) if t[0] == "cancel"]
     finally:
         assert supervisor.stop() == 0
     store = SqliteQueueStore(workdir / "queue.db")
@@ -267,14 +254,16 @@ async def test_a_cancelled_query_that_does_not_stop_costs_its_worker(
     queue = app.pool_queue(driver, continue_wait_timeout=0.2)
     caller = asyncio.ensure_future(queue.execute_in_queue("stubborn", "s1", {"key": "s1"}))
     try:
-        await wait_until(lambda: any(t[:2] == ["start", "s1"] for t in _trace(workdir)), within=30)
-        victim = int(next(t for t in _trace(workdir) if t[:2] == ["start", "s1"])[2])
+        await wait_until(
+            lambda: any(t[:2] == ["start", "s1"] for t in read_trace(workdir)), within=30
+        )
+        victim = int(next(t for t in read_trace(workdir) if t[:2] == ["start", "s1"])[2])
         (item,) = await driver.list_items("pool")
         cancelled_at = time.monotonic()
         assert await driver.cancel(item.queue_id) is not None  # removed by someone else
         # the worker's heartbeat notices and calls the cancel handler where the query runs...
         await wait_until(
-            lambda: ["cancel", "s1", str(victim)] in [t[:3] for t in _trace(workdir)], within=10
+            lambda: ["cancel", "s1", str(victim)] in [t[:3] for t in read_trace(workdir)], within=10
         )
         # ...and the query ignores it: after the grace period the worker is terminated
         await wait_until(lambda: _stats_pool(driver, "terminated", 1), within=15)
@@ -362,7 +351,7 @@ async def test_large_results_travel_through_shared_memory_and_leave_nothing(
             *(_ask(q, "big", "shared", {"key": "shared", "size": size}) for q in queues)
         )
         assert texts == [big_text(size, "shared")] * 3
-        assert [t[1] for t in _trace(workdir) if t[0] == "start"] == ["huge", "shared"]
+        assert [t[1] for t in read_trace(workdir) if t[0] == "start"] == ["huge", "shared"]
         shm = (await drivers[0].stats())["shared_memory"]
         assert shm["created"] >= 1 and shm["segments"] == len(list(SHM_DIR.glob(prefix + "*")))
 
@@ -395,7 +384,7 @@ async def test_priority_decides_who_runs_next_through_the_pool(
             asyncio.ensure_future(_ask(queue, "sql", f"b{i}", {"key": f"b{i}", "seconds": 1.5}))
             for i in range(2)
         ]
-        await wait_until(lambda: sum(t[0] == "start" for t in _trace(workdir)) == 2, within=30)
+        await wait_until(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=30)
         # ...then background work, then urgent work, all waiting for a slot.
         low = [
             asyncio.ensure_future(_ask(queue, "sql", f"low{i}", {"key": f"low{i}"}, priority=0))
@@ -414,10 +403,10 @@ async def test_priority_decides_who_runs_next_through_the_pool(
         await queue.shutdown(grace=0)
         await driver.close()
         assert supervisor.stop() == 0
-    started = {t[1]: float(t[3]) for t in _trace(workdir) if t[0] == "start"}
+    started = {t[1]: float(t[3]) for t in read_trace(workdir) if t[0] == "start"}
     assert len(started) == 8  # each once
     assert max(started[f"high{i}"] for i in range(3)) <= min(started[f"low{i}"] for i in range(3))
-    assert _max_overlap(_trace(workdir)) == 2
+    assert max_overlap(read_trace(workdir)) == 2
 
 
 async def test_an_execution_timeout_in_a_worker_reaches_its_cancel_handler(
@@ -445,7 +434,7 @@ async def test_an_execution_timeout_in_a_worker_reaches_its_cancel_handler(
         with pytest.raises(QueryError, match="timeout"):
             await _ask(queue, "sql", "slow", {"key": "slow", "seconds": 30})
         assert time.monotonic() - asked_at < 10
-        trace = _trace(workdir)
+        trace = read_trace(workdir)
         (start,) = [t for t in trace if t[0] == "start"]
         # The cancel handler ran in the worker that ran the query...
         assert ["cancel", "slow", start[2]] in [t[:3] for t in trace]
