@@ -185,3 +185,79 @@ async def _until_done(command: Any, *args: Any, **kwargs: Any) -> Any:
         except StoreError:
             await asyncio.sleep(0.05)
     raise AssertionError("the store never recovered")
+
+
+async def test_priority_order_holds_across_hosts(
+    workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.apps.pool_app import app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
+    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
+    queues = [app.pool_queue(d, continue_wait_timeout=30.0) for d in drivers]
+
+    async def ask(queue: Any, key: str, seconds: float, priority: int) -> Any:
+        query = {"key": key, "seconds": seconds}
+        return await queue.execute_in_queue("sql", key, query, priority)
+
+    try:
+        # The prefix's two slots busy (one per host)...
+        blockers = [asyncio.ensure_future(ask(q, f"b{i}", 1.5, 0)) for i, q in enumerate(queues)]
+        await wait_until(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=30)
+        # ...background work queued on host a, then urgent work on host b.
+        low = [asyncio.ensure_future(ask(queues[0], f"low{i}", 0.05, 0)) for i in range(3)]
+        await wait_until(lambda: _pending(drivers[0], 3), within=10)
+        high = [asyncio.ensure_future(ask(queues[1], f"high{i}", 0.05, 5)) for i in range(3)]
+        await asyncio.gather(*blockers, *low, *high)
+    finally:
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        for host in hosts:
+            assert host.stop() == 0
+    started = {t[1]: float(t[3]) for t in read_trace(workdir) if t[0] == "start"}
+    assert max(started[f"high{i}"] for i in range(3)) <= min(started[f"low{i}"] for i in range(3))
+    assert max_overlap(read_trace(workdir)) == 2
+
+
+async def _pending(driver: SocketQueueDriver, count: int) -> bool:
+    return len(await driver.pending("pool")) == count
+
+
+async def test_an_item_its_caller_abandoned_is_reaped_by_another_host(
+    workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.apps.pool_app import app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
+    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
+    queues = [app.pool_queue(d, continue_wait_timeout=0.3) for d in drivers]
+    try:
+        blockers = [asyncio.ensure_future(_ask(q, f"b{i}", 3.0)) for i, q in enumerate(queues)]
+        await wait_until(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=30)
+        # Asked on host a with a 1 s orphaned timeout, then the caller goes away.
+        query = {"key": "gone", "seconds": 0, "orphanedTimeout": 1}
+        with pytest.raises(ContinueWaitError):
+            await queues[0].execute_in_queue("sql", "gone", query)
+        pids = [w["pid"] for w in (await drivers[0].stats())["pool"]["workers"]]
+        hosts[0].kill9()  # nobody on host a is left to reap it
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await wait_until(lambda: _pending(drivers[1], 0), within=15)
+        await asyncio.gather(blockers[1])
+        trace = read_trace(workdir)
+        assert "gone" not in [t[1] for t in trace if t[0] == "start"]
+        # Removed as orphaned by host b, whose supervisor ran the cancel path.
+        assert ["cancel", "gone", str(hosts[1].pid)] in [t[:3] for t in trace]
+        blockers[0].cancel()
+        await asyncio.gather(blockers[0], return_exceptions=True)
+    finally:
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        assert hosts[1].stop() == 0
+        if hosts[0].process.poll() is None:
+            hosts[0].stop()
