@@ -84,7 +84,9 @@ def _listed(make: Callable[..., dict[str, Any]], *args: Any) -> list[dict[str, A
     return [make(*args)]
 
 
-def run(sizes: Sizes, only: list[str], with_peers: bool) -> dict[str, Any]:
+def run(
+    sizes: Sizes, only: list[str], with_peers: bool, steps: list[str] | None = None
+) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     ready: list[tuple[peers.Peer, Path]] = []
@@ -92,6 +94,8 @@ def run(sizes: Sizes, only: list[str], with_peers: bool) -> dict[str, Any]:
         ready, skipped = peers.available()
 
     def step(name: str, make: Callable[[], list[dict[str, Any]]]) -> None:
+        if steps and not any(wanted in name for wanted in steps):
+            return
         started = time.monotonic()
         print(f"  {name} ...", flush=True, end="")
         try:
@@ -158,6 +162,11 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
+def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours first, then the references and peers, each in the order measured."""
+    return sorted(rows, key=lambda r: not str(r.get("system", "")).startswith("queryqueue"))
+
+
 def tables(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [
@@ -166,7 +175,7 @@ def tables(report: dict[str, Any]) -> str:
         "",
     ]
     for workload in WORKLOADS:
-        rows = [r for r in report["rows"] if r.get("workload") == workload]
+        rows = _ordered([r for r in report["rows"] if r.get("workload") == workload])
         if not rows:
             continue
         lines += [
@@ -231,7 +240,9 @@ def chart(report: dict[str, Any], path: Path) -> str:
     figure, axes = plt.subplots(len(present), 1, figsize=(10, 3.2 * len(present)))
     axes = [axes] if len(present) == 1 else list(axes)
     for axis, (workload, title) in zip(axes, present, strict=True):
-        rows = [r for r in report["rows"] if r.get("workload") == workload and "median" in r]
+        rows = _ordered(
+            [r for r in report["rows"] if r.get("workload") == workload and "median" in r]
+        )
         names = [r["system"] for r in rows]
         medians = [r["median"] for r in rows]
         errors = [
@@ -264,8 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peers", action="store_true", help="ours and the references only")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 1 quick)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--steps", default="", help="run only the systems whose name contains one of these"
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        action="append",
+        default=[],
+        help="add the rows of an earlier benchmarks.json (e.g. a separate soak run)",
+    )
     args = parser.parse_args(argv)
-    only = [w.strip() for w in args.only.split(",") if w.strip()]
+    only = [w.strip() for w in args.only.split(",") if w.strip() and w.strip() != "none"]
     unknown = set(only) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))} (known: {WORKLOADS})")
@@ -273,8 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps:
         sizes = Sizes(**{**sizes.__dict__, "reps": args.reps})
     started = time.monotonic()
-    report = run(sizes, only, not args.no_peers)
+    steps = [w.strip() for w in args.steps.split(",") if w.strip()]
+    report = run(sizes, only, not args.no_peers, steps) if only else {"rows": [], "skipped": []}
+    report.setdefault("machine", machine())
     report["seconds"] = round(time.monotonic() - started, 1)
+    for earlier in args.merge:
+        merged = json.loads(earlier.read_text())
+        report["rows"] += merged["rows"]
+        report["skipped"] += merged.get("skipped", [])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmarks.json").write_text(json.dumps(report, indent=2) + "\n")
     text = tables(report)
