@@ -175,10 +175,13 @@ def stop_workers(workers: list[subprocess.Popen]) -> None:
             worker.wait(timeout=20)
 
 
-def fresh_store(peer: str, workdir: Path) -> None:
+def fresh_store(peer: str) -> None:
+    """Empty the peer's store between repetitions. Huey on SQLite is emptied through its
+    own API: the file stays, so connections opened earlier keep meeting the workers."""
     if peer == "huey-sqlite":
-        for path in workdir.glob("huey.db*"):
-            path.unlink()
+        import peer_tasks
+
+        peer_tasks.huey.flush()
     else:
         from redis import Redis
 
@@ -189,7 +192,7 @@ def run_once(spec: dict, workdir: Path) -> dict:
     peer = spec["peer"]
     env = {**os.environ, "QQ_PEER": peer, "QQ_PEER_DIR": str(workdir), "PYTHONPATH": str(HERE)}
     os.environ.update({k: env[k] for k in ("QQ_PEER", "QQ_PEER_DIR")})
-    fresh_store(peer, workdir)
+    fresh_store(peer)
     context = multiprocessing.get_context("spawn")
     workers = start_workers(peer, env)
     try:

@@ -85,7 +85,11 @@ def _listed(make: Callable[..., dict[str, Any]], *args: Any) -> list[dict[str, A
 
 
 def run(
-    sizes: Sizes, only: list[str], with_peers: bool, steps: list[str] | None = None
+    sizes: Sizes,
+    only: list[str],
+    with_peers: bool,
+    steps: list[str] | None = None,
+    partial_path: Path | None = None,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -104,6 +108,8 @@ def run(
             made = [{"system": name, "failed": f"{type(exc).__name__}: {exc}"}]
         rows.extend(made)
         print(f" {time.monotonic() - started:.0f} s", flush=True)
+        if partial_path is not None:  # a long run interrupted keeps what it measured
+            partial_path.write_text(json.dumps({"rows": rows, "skipped": skipped}, indent=2) + "\n")
 
     s = sizes
     if "throughput" in only:
@@ -295,7 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         sizes = Sizes(**{**sizes.__dict__, "reps": args.reps})
     started = time.monotonic()
     steps = [w.strip() for w in args.steps.split(",") if w.strip()]
-    report = run(sizes, only, not args.no_peers, steps) if only else {"rows": [], "skipped": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial_path = args.out / "benchmarks.partial.json"
+    report = (
+        run(sizes, only, not args.no_peers, steps, partial_path)
+        if only
+        else {"rows": [], "skipped": []}
+    )
+    partial_path.unlink(missing_ok=True)
     report.setdefault("machine", machine())
     report["seconds"] = round(time.monotonic() - started, 1)
     for earlier in args.merge:
