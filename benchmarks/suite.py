@@ -54,10 +54,11 @@ class Sizes:
     urgent: int
     sizes_mib: list[int]
     soak: int
+    postgres: int  # throughput queries on PostgreSQL (a network store: fewer)
 
 
-FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000)
-QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000)
+FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000, 5_000)
+QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000, 500)
 
 
 def machine() -> dict[str, Any]:
@@ -115,7 +116,7 @@ def run(
     if "throughput" in only:
         print("throughput", flush=True)
         step("queryqueue", lambda: ours.throughput(s.throughput, s.reps))
-        step("queryqueue on PostgreSQL", lambda: ours.postgres_throughput(s.throughput, s.reps))
+        step("queryqueue on PostgreSQL", lambda: ours.postgres_throughput(s.postgres, s.reps))
         step("ProcessPoolExecutor", lambda: [reference.pool_throughput(s.throughput, s.reps)])
         step("raw socket", lambda: reference.raw_socket(s.throughput, s.reps, 4, 64)[:1])
         for peer, python in ready:
