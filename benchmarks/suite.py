@@ -223,6 +223,38 @@ def tables(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summary(report: dict[str, Any]) -> str:
+    """The short table for the README: one line per system and workload, medians."""
+    m = report["machine"]
+    lines = [
+        f"Measured on {m['cpu']}, {m['cpus']} CPUs, {m['memory_gb']} GB, Python {m['python']}"
+        " (medians; min-max, CPU and memory in `benchmarks/results/benchmarks.md`).",
+        "",
+        "| workload | system | result |",
+        "|---|---|---|",
+    ]
+    for workload in WORKLOADS:
+        for r in _ordered([r for r in report["rows"] if r.get("workload") == workload]):
+            if "median" not in r:
+                note = r.get("unsupported") or r.get("skipped") or r.get("failed", "")
+                lines.append(f"| {workload} | {r['system']} | {note} |")
+                continue
+            result = f"{_fmt(r['median'])} {r['metric']}"
+            latency = r.get("latency_ms")
+            if latency and r["metric"] != "executions":
+                result += f" (p99 {_fmt(latency['p99_ms'])} ms)"
+            if workload == "dedup_storm" and latency:
+                result += f", time to result p50 {_fmt(latency['p50_ms'])} / p99 {_fmt(latency['p99_ms'])} ms"
+            if "supervisor_rss_mb" in r:
+                rss = r["supervisor_rss_mb"]
+                result += (
+                    f"; supervisor RSS {rss['start']} / {rss['middle']} / {rss['end']} MB"
+                    f" (start / middle / end); db {r['db_mb']} MB, WAL {r['wal_mb']} MB"
+                )
+            lines.append(f"| {workload} | {r['system']} | {result} |")
+    return "\n".join(lines)
+
+
 def chart(report: dict[str, Any], path: Path) -> str:
     try:
         import matplotlib
@@ -320,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "benchmarks.json").write_text(json.dumps(report, indent=2) + "\n")
     text = tables(report)
     (args.out / "benchmarks.md").write_text(text + "\n")
+    (args.out / "summary.md").write_text(summary(report) + "\n")
     print(text)
     print(chart(report, args.out / "benchmarks.png"))
     print(f"written to {args.out} in {report['seconds']} s")
