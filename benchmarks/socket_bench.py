@@ -19,8 +19,6 @@ import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.client import SocketQueueDriver
+from supervisor.launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,27 +93,8 @@ def run(quick: bool, repetitions: int) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="qq-bench-", dir="/tmp") as tmp:
         socket_path = Path(tmp) / "s.sock"
-        supervisor = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "supervisor.cli",
-                "supervisor",
-                "--db",
-                str(Path(tmp) / "q.db"),
-                "--socket",
-                str(socket_path),
-            ],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.DEVNULL,
-        )
+        supervisor = launch(Path(tmp) / "q.db", socket_path)
         try:
-            deadline = time.monotonic() + 30
-            while not socket_path.exists():
-                if time.monotonic() > deadline or supervisor.poll() is not None:
-                    raise RuntimeError("the supervisor did not start")
-                time.sleep(0.05)
             _run_case(socket_path, "ping", 1, 1, 100)  # warm-up
             for command, processes, in_flight in cases:
                 runs = [
@@ -133,8 +113,7 @@ def run(quick: bool, repetitions: int) -> dict[str, Any]:
                     }
                 )
         finally:
-            supervisor.terminate()
-            supervisor.wait(timeout=30)
+            supervisor.stop()
     floor: dict[tuple[int, int], float] = {
         (r["client_processes"], r["in_flight_per_connection"]): r["commands_per_s"]
         for r in rows
