@@ -28,8 +28,6 @@ from typing import Any
 from supervisor.client import SocketQueueDriver
 from supervisor.launch import launch
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def _client(
     socket_path: str, command: str, calls: int, in_flight: int, start_at: float
