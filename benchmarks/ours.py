@@ -19,9 +19,11 @@ from typing import Any
 import psutil
 
 from benchmarks.measure import TreeMeter, quantiles, spread
-from supervisor.launch import SupervisorProcess, launch
+from queryqueue.supervisor.launch import SupervisorProcess, launch
 
 APP = "benchmarks.bench_app:app"
+# The checkout: supervisors start here, where `--app benchmarks...` resolves.
+REPO = Path(__file__).resolve().parents[1]
 POSTGRES_URL = os.environ.get(
     "QUERYQUEUE_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
@@ -65,8 +67,8 @@ async def _produce(
     out: Any,
 ) -> None:
     from benchmarks.bench_app import app
-    from engine.errors import ContinueWaitError
-    from supervisor.client import SocketQueueDriver
+    from queryqueue.engine.errors import ContinueWaitError
+    from queryqueue.supervisor.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path)
     queue = app.pool_queue(driver)
@@ -136,7 +138,7 @@ class Run:
 
 
 def stats(socket_path: Path) -> dict[str, Any]:
-    from supervisor.client import SocketQueueDriver
+    from queryqueue.supervisor.client import SocketQueueDriver
 
     async def ask() -> dict[str, Any]:
         driver = SocketQueueDriver(socket_path)
@@ -253,6 +255,7 @@ def postgres_hosts(count: int, *options: str) -> Iterator[list[SupervisorProcess
                         "2",
                         *options,
                         store=POSTGRES_URL,
+                        cwd=REPO,
                     )
                 )
             drive(hosts, [[Job("noop", ["warm", i], {}) for i in range(200)]], in_flight=16)
@@ -278,6 +281,7 @@ def supervisor_for(*options: str, warm: bool = True) -> Iterator[SupervisorProce
             "--workers",
             "2",
             *options,
+            cwd=REPO,
         )
         try:
             if warm:

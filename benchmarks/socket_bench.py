@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from supervisor.client import SocketQueueDriver
-from supervisor.launch import launch
+from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.supervisor.launch import launch
 
 
 def _client(

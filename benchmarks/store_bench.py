@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from driver_sqlite.store import SqliteQueueStore, Synchronous
-from engine.memory_store import MemoryQueueStore
-from engine.store import QueueStore
+from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
+from queryqueue.engine.memory_store import MemoryQueueStore
+from queryqueue.engine.store import QueueStore
 
 PAYLOAD = json.dumps(
     {"queryHandler": "sql", "query": {"sql": "SELECT 1" + " " * 150}, "priority": 0}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import SchemaVersionError
+from queryqueue.engine.errors import SchemaVersionError
 
 PENDING = 0
 ACTIVE = 1

@@ -33,13 +33,13 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from driver_postgres.schema import ACTIVE, PENDING, migrate
-from engine import validation as v
-from engine.aio import wait_within
-from engine.clock import Clock
-from engine.errors import ExternalIdConflictError, StoreError
-from engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
-from engine.store import (
+from queryqueue.driver_postgres.schema import ACTIVE, PENDING, migrate
+from queryqueue.engine import validation as v
+from queryqueue.engine.aio import wait_within
+from queryqueue.engine.clock import Clock
+from queryqueue.engine.errors import ExternalIdConflictError, StoreError
+from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
+from queryqueue.engine.store import (
     DEFAULT_RESULT_TTL_MS,
     ITEM_COLUMNS,
     QUEUE_COMMANDS,
@@ -52,7 +52,7 @@ from engine.store import (
     item_from_row,
     result_from_row,
 )
-from engine.waiters import AckEvent
+from queryqueue.engine.waiters import AckEvent
 
 # An ACK from another host: the waiter reads the result itself (NOTIFY carries no payload).
 _FETCH = "\x00fetch"

@@ -1,5 +1,5 @@
 """The queue store on SQLite in WAL mode."""
 
-from driver_sqlite.store import SqliteQueueStore
+from queryqueue.driver_sqlite.store import SqliteQueueStore
 
 __all__ = ["SqliteQueueStore"]

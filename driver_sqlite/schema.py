@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from engine.errors import SchemaVersionError
+from queryqueue.engine.errors import SchemaVersionError
 
 # Statuses as stored; the store speaks "pending"/"active".
 PENDING = 0

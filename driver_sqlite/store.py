@@ -22,11 +22,11 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal
 
-from driver_sqlite.schema import ACTIVE, PENDING, migrate
-from engine.clock import Clock
-from engine.errors import StoreError
-from engine.responses import ItemStatus, QueueId, QueueKey
-from engine.store import (
+from queryqueue.driver_sqlite.schema import ACTIVE, PENDING, migrate
+from queryqueue.engine.clock import Clock
+from queryqueue.engine.errors import StoreError
+from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
+from queryqueue.engine.store import (
     DEFAULT_RESULT_TTL_MS,
     ITEM_COLUMNS,
     RESULT_COLUMNS,

@@ -13,8 +13,14 @@ from typing import Any
 
 import orjson
 
-from engine.driver import QueueDriver
-from engine.responses import ListResponse, QueryDefResponse, QueueId, QueueKey, ToCancelResponse
+from queryqueue.engine.driver import QueueDriver
+from queryqueue.engine.responses import (
+    ListResponse,
+    QueryDefResponse,
+    QueueId,
+    QueueKey,
+    ToCancelResponse,
+)
 
 QueryDef = dict[str, Any]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from engine.memory_store import MemoryQueueStore
-from engine.responses import (
+from queryqueue.engine.memory_store import MemoryQueueStore
+from queryqueue.engine.responses import (
     AckResponse,
     AddAndRetrieveResponse,
     AddToQueueResponse,
@@ -23,7 +23,7 @@ from engine.responses import (
     RetrieveResponse,
     ToCancelResponse,
 )
-from engine.store import QueueStore
+from queryqueue.engine.store import QueueStore
 
 
 class QueueDriver(Protocol):

@@ -6,6 +6,8 @@ No storage or socket exception escapes a public API untranslated.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class QueueError(Exception):
     """Base of every error queryqueue raises on purpose."""
@@ -42,11 +44,42 @@ class ContinueWaitError(QueueError):
 
 
 class QueryError(QueueError):
-    """The query failed; the message is its handler's error message (results carry only that)."""
+    """The query failed: its handler raised, in whichever process ran it.
+
+    `error_type` is the name of the handler's exception class and `remote_traceback` the
+    traceback text where the executing process sent one (None for errors of Cube clients,
+    whose results carry only a message)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_type: str | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only fields survive pickling (a worker, a multiprocessing result).
+        return (_rebuild, (type(self), str(self), self.error_type, self.remote_traceback))
 
 
-class QueryTimeoutError(QueueError, TimeoutError):
-    """A query ran past its execution timeout (raised inside the executing process)."""
+def _rebuild(
+    cls: type[QueryError], message: str, error_type: str | None, remote_traceback: str | None
+) -> QueryError:
+    return cls(message, error_type=error_type, remote_traceback=remote_traceback)
+
+
+class QueryCancelledError(QueryError):
+    """The query was cancelled (by `cancel_query`, `queryqueue cancel`, or by request id)
+    while its callers waited: every waiter gets this, and nothing runs it again."""
+
+
+class QueryTimeoutError(QueryError, TimeoutError):
+    """A query ran past its execution timeout, or a caller's `run(..., timeout=)` deadline
+    passed before its result arrived."""
 
 
 class SupervisorUnavailableError(QueueError, ConnectionError):

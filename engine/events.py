@@ -40,7 +40,7 @@ _ERRORS = {
     ERROR_WHILE_QUERYING,
 }
 
-_log = logging.getLogger("engine.queue")
+_log = logging.getLogger("queryqueue.queue")
 
 
 class Events:

@@ -11,9 +11,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from engine.clock import Clock
-from engine.responses import ItemStatus, QueueId, QueueKey
-from engine.store import DEFAULT_RESULT_TTL_MS, Item, PrefixOverview, QueueStore, StoredResult
+from queryqueue.engine.clock import Clock
+from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
+from queryqueue.engine.store import (
+    DEFAULT_RESULT_TTL_MS,
+    Item,
+    PrefixOverview,
+    QueueStore,
+    StoredResult,
+)
 
 
 class _State:

@@ -18,25 +18,32 @@ from typing import Any
 
 import orjson
 
-from engine import events as ev
-from engine.aio import wait_within
-from engine.clock import Clock, SystemClock
-from engine.connection import QueryDef, QueueConnection
-from engine.driver import LocalQueueDriver, QueueDriver
-from engine.errors import ContinueWaitError, InvalidCommandError, QueryError, QueryTimeoutError
-from engine.events import EventLogger, Events
-from engine.hashing import hash_query_key, js_number
-from engine.responses import QueueId
-from engine.retrieved import RetrievedQuery
-from engine.store import QueueStore
-from engine.stream import QueryStream
-from engine.validation import MAX_EXTERNAL_ID_LENGTH, MAX_PRIORITY, MIN_PRIORITY
+from queryqueue.engine import events as ev
+from queryqueue.engine.aio import wait_within
+from queryqueue.engine.clock import Clock, SystemClock
+from queryqueue.engine.connection import QueryDef, QueueConnection
+from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
+from queryqueue.engine.errors import (
+    ContinueWaitError,
+    InvalidCommandError,
+    QueryError,
+    QueryTimeoutError,
+)
+from queryqueue.engine.events import EventLogger, Events
+from queryqueue.engine.handlers import (
+    CancelHandler,
+    QueryHandler,
+    SendProcessMessage,
+    SetCancelHandler,
+    StreamHandler,
+)
+from queryqueue.engine.hashing import hash_query_key, js_number
+from queryqueue.engine.responses import QueueId
+from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.store import QueueStore
+from queryqueue.engine.stream import QueryStream
+from queryqueue.engine.validation import MAX_EXTERNAL_ID_LENGTH, MAX_PRIORITY, MIN_PRIORITY
 
-SetCancelHandler = Callable[[Any], None]
-QueryHandler = Callable[[Any, SetCancelHandler], Any]
-CancelHandler = Callable[[QueryDef], Any]
-StreamHandler = Callable[[Any, QueryStream], Awaitable[None]]
-SendProcessMessage = Callable[[RetrievedQuery], Awaitable[None]]
 SendCancelMessage = Callable[[QueryDef, QueueId | None], Awaitable[None]]
 
 STREAM_HANDLER = "stream"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.responses import QueueId
+from queryqueue.engine.responses import QueueId
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,11 +33,15 @@ from typing import Any, Protocol
 
 import orjson
 
-from engine import validation as v
-from engine.aio import wait_within
-from engine.clock import Clock, SystemClock
-from engine.errors import ExclusiveAccessError, ExternalIdConflictError, InvalidCommandError
-from engine.responses import (
+from queryqueue.engine import validation as v
+from queryqueue.engine.aio import wait_within
+from queryqueue.engine.clock import Clock, SystemClock
+from queryqueue.engine.errors import (
+    ExclusiveAccessError,
+    ExternalIdConflictError,
+    InvalidCommandError,
+)
+from queryqueue.engine.responses import (
     AckResponse,
     AddAndRetrieveResponse,
     AddToQueueResponse,
@@ -51,7 +55,7 @@ from engine.responses import (
     RetrieveResponse,
     ToCancelResponse,
 )
-from engine.waiters import AckEvent, ResultWaiters
+from queryqueue.engine.waiters import AckEvent, ResultWaiters
 
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
 # ACK deletes at most this many expired results, so cleanup never makes one command slow.

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from engine.queue import QueryQueue
+from queryqueue.engine.queue import QueryQueue
 
 T = TypeVar("T")
 

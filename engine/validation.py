@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
-from engine.errors import InvalidCommandError
-from engine.responses import QueueKey
+from queryqueue.engine.errors import InvalidCommandError
+from queryqueue.engine.responses import QueueKey
 
 MIN_PRIORITY = -10_000
 MAX_PRIORITY = 10_000

@@ -11,7 +11,7 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
-from engine.responses import QueueId, QueueKey
+from queryqueue.engine.responses import QueueId, QueueKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,11 +19,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.driver import QueueDriver
-from engine.queue import CancelHandler, QueryHandler, QueryQueue, SendProcessMessage, StreamHandler
-from engine.retrieved import RetrievedQuery
-from engine.store import QueueStore
-from supervisor.client import SocketQueueDriver
+from queryqueue.engine.driver import QueueDriver
+from queryqueue.engine.handlers import (
+    CancelHandler,
+    QueryHandler,
+    SendProcessMessage,
+    StreamHandler,
+)
+from queryqueue.engine.queue import QueryQueue
+from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.store import QueueStore
+from queryqueue.supervisor.client import SocketQueueDriver
 
 F = TypeVar("F", bound=Callable[..., Any])
 

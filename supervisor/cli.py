@@ -7,9 +7,9 @@ import asyncio
 import sys
 from pathlib import Path
 
-from engine.errors import QueueError
-from supervisor.paths import SOCKET_ENV, default_socket_path
-from supervisor.tables import table
+from queryqueue.engine.errors import QueueError
+from queryqueue.supervisor.paths import SOCKET_ENV, default_socket_path
+from queryqueue.supervisor.tables import table
 
 
 def _socket_option(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     socket_path: Path = getattr(args, "socket", None) or default_socket_path()
     try:
         if args.command == "supervisor":
-            from supervisor.process import run
+            from queryqueue.supervisor.process import run
 
             if (args.app is None) != (args.workers == 0):
                 parser.error("--app and --workers go together")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except QueueError as exc:
         print(f"queryqueue: {exc}", file=sys.stderr)
         return 1
-    from supervisor.demo import run_demo
+    from queryqueue.supervisor.demo import run_demo
 
     return run_demo(
         requests=args.requests,
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _status(socket_path: Path) -> int:
-    from supervisor.client import SocketQueueDriver
+    from queryqueue.supervisor.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
     try:
@@ -155,7 +155,7 @@ async def _status(socket_path: Path) -> int:
 
 
 async def _sql(socket_path: Path, text: str) -> int:
-    from supervisor.client import SocketQueueDriver
+    from queryqueue.supervisor.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
     try:

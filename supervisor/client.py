@@ -23,9 +23,9 @@ from typing import Any
 import dill
 import orjson
 
-from engine.aio import wait_within
-from engine.errors import CommandTimeoutError, SupervisorUnavailableError
-from engine.responses import (
+from queryqueue.engine.aio import wait_within
+from queryqueue.engine.errors import CommandTimeoutError, SupervisorUnavailableError
+from queryqueue.engine.responses import (
     AckResponse,
     AddAndRetrieveResponse,
     AddToQueueResponse,
@@ -36,9 +36,9 @@ from engine.responses import (
     RetrieveResponse,
     ToCancelResponse,
 )
-from engine.retrieved import RetrievedQuery
-from supervisor.paths import default_socket_path
-from supervisor.protocol import (
+from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.supervisor.paths import default_socket_path
+from queryqueue.supervisor.protocol import (
     DECODERS,
     DEFAULT_MAX_FRAME,
     FrameError,
@@ -47,7 +47,7 @@ from supervisor.protocol import (
     raise_error,
     read_frame,
 )
-from supervisor.shm import DEFAULT_THRESHOLD, SegmentMaps, parse_reference
+from queryqueue.supervisor.shm import DEFAULT_THRESHOLD, SegmentMaps, parse_reference
 
 _ALWAYS_SAFE = {
     "add",

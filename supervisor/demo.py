@@ -2,7 +2,7 @@
 request processes, on a temporary SQLite queue.
 
 1. Generates a sales "warehouse" (a SQLite file, `--rows` rows, no download).
-2. Starts `queryqueue supervisor --app supervisor.demo_app:app --workers N` on a temp queue.
+2. Starts `queryqueue supervisor --app queryqueue.supervisor.demo_app:app --workers N` on a temp queue.
 3. Starts `--clients` request processes that submit `--requests` analytical queries between
    them, many users at once: popular queries are asked by many processes at the same time
    (deduplicated), interactive lookups at priority 10 (the fast track) among background
@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from supervisor.launch import launch
+from queryqueue.supervisor.launch import launch
 
 REGIONS = [f"region-{i}" for i in range(8)]
 PRODUCTS = [f"product-{i:02d}" for i in range(50)]
@@ -181,9 +181,9 @@ async def _client(
     outcomes: Any,
     go: Any,
 ) -> None:
-    from engine.errors import ContinueWaitError, QueryError
-    from supervisor.client import SocketQueueDriver
-    from supervisor.demo_app import app
+    from queryqueue.engine.errors import ContinueWaitError, QueryError
+    from queryqueue.supervisor.client import SocketQueueDriver
+    from queryqueue.supervisor.demo_app import app
 
     fast_tracked: set[str] = set()
 
@@ -338,7 +338,7 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
         tmp / "queue.db",
         socket_path,
         "--app",
-        "supervisor.demo_app:app",
+        "queryqueue.supervisor.demo_app:app",
         "--workers",
         str(workers),
         "--cancel-grace",
@@ -400,13 +400,13 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
 
 
 def _direct(warehouse: Path, sql: str) -> list[list[Any]]:
-    from supervisor.demo_app import run_sql
+    from queryqueue.supervisor.demo_app import run_sql
 
     return run_sql(str(warehouse), sql)
 
 
 async def _stats(socket_path: Path) -> dict[str, Any]:
-    from supervisor.client import SocketQueueDriver
+    from queryqueue.supervisor.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, reconnect_timeout=2.0)
     try:
@@ -430,7 +430,7 @@ def summarize(
     clients: int,
     timeout: float,
 ) -> Report:
-    from supervisor.tables import table
+    from queryqueue.supervisor.tables import table
 
     submitted = len(results)
     missing = requests - submitted

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 class LaunchError(RuntimeError):
     pass
@@ -55,21 +53,19 @@ def launch(
     env: dict[str, str] | None = None,
     ready_within: float = 30.0,
     store: str | None = None,
+    cwd: Path | None = None,
 ) -> SupervisorProcess:
     """`queryqueue supervisor --db DB --socket SOCKET OPTIONS...` (`--store STORE` instead
     of `--db` when given), once it accepts connections. Its output goes to DB with the
-    suffix .log."""
+    suffix .log. It runs in `cwd` (this process's by default), where `--app` resolves."""
     log = db.with_suffix(".log")
     environment = {**(env if env is not None else os.environ)}
-    environment["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), environment.get("PYTHONPATH", "")) if p
-    )
     with open(log, "ab") as out:
         process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "supervisor.cli",
+                "queryqueue",
                 "supervisor",
                 *(("--store", store) if store else ("--db", str(db))),
                 "--socket",
@@ -78,7 +74,7 @@ def launch(
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=REPO,
+            cwd=cwd,
             env=environment,
         )
     supervisor = SupervisorProcess(process, db, socket_path, log)

@@ -31,14 +31,14 @@ import multiprocess
 import orjson
 import psutil
 
-from engine.driver import LocalQueueDriver
-from engine.queue import QueryQueue
-from engine.responses import QueueId
-from engine.retrieved import RetrievedQuery
-from engine.store import QueueStore
-from supervisor.shm import DEFAULT_THRESHOLD
+from queryqueue.engine.driver import LocalQueueDriver
+from queryqueue.engine.queue import QueryQueue
+from queryqueue.engine.responses import QueueId
+from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.store import QueueStore
+from queryqueue.supervisor.shm import DEFAULT_THRESHOLD
 
-_log = logging.getLogger("supervisor.pool")
+_log = logging.getLogger("queryqueue.pool")
 
 
 @dataclass(eq=False)
@@ -102,7 +102,7 @@ class WorkerPool:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from supervisor.app import load_app
+        from queryqueue.supervisor.app import load_app
 
         app = load_app(self.app_ref)
         # The pool's own queue, on the store itself: it reconciles for every process of
@@ -368,7 +368,7 @@ class WorkerPool:
 
 
 async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None:
-    from supervisor.app import load_app
+    from queryqueue.supervisor.app import load_app
 
     try:
         app = load_app(app_ref)
@@ -398,8 +398,8 @@ async def _worker_loop(
 ) -> None:
     import dill
 
-    from supervisor.app import load_app
-    from supervisor.client import SocketQueueDriver
+    from queryqueue.supervisor.app import load_app
+    from queryqueue.supervisor.client import SocketQueueDriver
 
     app = load_app(app_ref)
     driver = SocketQueueDriver(socket_path, shm_threshold=shm_threshold)

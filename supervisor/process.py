@@ -7,16 +7,16 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from driver_sqlite.store import SqliteQueueStore, Synchronous
-from engine.store import QueueStore
-from supervisor.pool import WorkerPool
-from supervisor.server import QueueServer
+from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
+from queryqueue.engine.store import QueueStore
+from queryqueue.supervisor.pool import WorkerPool
+from queryqueue.supervisor.server import QueueServer
 
 
 def open_store(db: str | Path, *, synchronous: Synchronous, schema: str) -> QueueStore:
     """A SQLite file, or a postgresql:// URL (a queue several hosts share)."""
     if isinstance(db, str) and db.startswith(("postgresql://", "postgres://")):
-        from driver_postgres.store import PostgresQueueStore
+        from queryqueue.driver_postgres.store import PostgresQueueStore
 
         return PostgresQueueStore(db, schema=schema)
     return SqliteQueueStore(db, synchronous=synchronous)

@@ -22,8 +22,8 @@ from typing import Any
 
 import orjson
 
-from engine import errors
-from engine.responses import (
+from queryqueue.engine import errors
+from queryqueue.engine.responses import (
     AckResponse,
     AddAndRetrieveResponse,
     AddToQueueResponse,

@@ -22,12 +22,12 @@ from typing import Any
 
 import orjson
 
-from engine.errors import InvalidCommandError, QueueError, StoreError
-from engine.store import QUEUE_COMMANDS, QueueStore
-from engine.validation import check_process_id
-from supervisor import sqltext
-from supervisor.pool import WorkerPool
-from supervisor.protocol import (
+from queryqueue.engine.errors import InvalidCommandError, QueueError, StoreError
+from queryqueue.engine.store import QUEUE_COMMANDS, QueueStore
+from queryqueue.engine.validation import check_process_id
+from queryqueue.supervisor import sqltext
+from queryqueue.supervisor.pool import WorkerPool
+from queryqueue.supervisor.protocol import (
     DEFAULT_MAX_FRAME,
     FrameError,
     decode_hand_off,
@@ -35,7 +35,7 @@ from supervisor.protocol import (
     error_payload,
     read_frame,
 )
-from supervisor.shm import SegmentPool, name_prefix, parse_reference
+from queryqueue.supervisor.shm import SegmentPool, name_prefix, parse_reference
 
 # Commands a client may call, and which of them take the connection's process id.
 COMMANDS = frozenset(QUEUE_COMMANDS)

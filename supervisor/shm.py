@@ -48,7 +48,7 @@ from typing import Any
 
 import orjson
 
-from engine.errors import InvalidCommandError, StoreError
+from queryqueue.engine.errors import InvalidCommandError, StoreError
 
 DEFAULT_THRESHOLD = 1024 * 1024
 MIN_SEGMENT = 1024 * 1024

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidCommandError
-from engine.responses import (
+from queryqueue.engine.errors import InvalidCommandError
+from queryqueue.engine.responses import (
     AddAndRetrieveResponse,
     AddToQueueResponse,
     ListResponse,

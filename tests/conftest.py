@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from driver_sqlite.store import SqliteQueueStore
-from engine.clock import ManualClock
-from engine.memory_store import MemoryQueueStore
-from engine.store import QueueStore
+from queryqueue.driver_sqlite.store import SqliteQueueStore
+from queryqueue.engine.clock import ManualClock
+from queryqueue.engine.memory_store import MemoryQueueStore
+from queryqueue.engine.store import QueueStore
 from tests.postgres_util import postgres_store
 from tests.supervisor_util import socket_dir
 

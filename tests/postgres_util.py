@@ -49,7 +49,7 @@ def drop_schema(schema: str) -> None:
 def postgres_store(**options: Any) -> Any:
     """A PostgresQueueStore on a schema of its own; closing it drops the schema."""
     require_postgres()
-    from driver_postgres.store import PostgresQueueStore
+    from queryqueue.driver_postgres.store import PostgresQueueStore
 
     schema = options.pop("schema", None) or fresh_schema()
     store = PostgresQueueStore(URL, schema=schema, **options)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from supervisor.launch import REPO, SupervisorProcess, launch
+from queryqueue.supervisor.launch import SupervisorProcess, launch
+
+# The checkout: supervisors start here, so `--app tests.apps...` resolves as a user's would.
+REPO = Path(__file__).resolve().parents[1]
 
 __all__ = ["REPO", "SupervisorProcess", "socket_dir", "start_supervisor"]
 
@@ -16,4 +19,4 @@ def socket_dir() -> Path:
 
 
 def start_supervisor(db: Path, socket_path: Path, *extra: str) -> SupervisorProcess:
-    return launch(db, socket_path, *extra)
+    return launch(db, socket_path, *extra, cwd=REPO)

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from engine.aio import wait_within
+from queryqueue.engine.aio import wait_within
 
 
 async def test_wait_within_times_out_and_leaves_the_future_running() -> None:

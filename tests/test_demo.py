@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from supervisor.demo import BACKGROUND, Outcome, digest, plan, summarize
+from queryqueue.supervisor.demo import BACKGROUND, Outcome, digest, plan, summarize
 from tests.supervisor_util import REPO
 
 
@@ -16,7 +16,7 @@ def test_the_demo_runs_a_small_workload_and_passes() -> None:
         [
             sys.executable,
             "-m",
-            "supervisor.cli",
+            "queryqueue",
             "demo",
             "--rows",
             "20000",

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from engine.hashing import hash_query_key, js_json_stringify
+from queryqueue.engine.hashing import hash_query_key, js_json_stringify
 
 
 def test_string_key_matches_cube_store_driver() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"engine", "driver_sqlite", "driver_postgres", "supervisor", "benchmarks"}
+OURS = {"engine", "driver_sqlite", "driver_postgres", "supervisor", "benchmarks", "queryqueue"}
 # package -> packages of ours it may import
 ALLOWED = {
     "engine": {"engine"},
@@ -20,13 +20,21 @@ ALLOWED = {
 LEAVES = {"engine/errors.py", "engine/clock.py", "engine/responses.py"}
 
 
+def _package(module: str) -> str:
+    """`queryqueue.engine.queue` -> `engine`: our subpackages by their folder's name."""
+    parts = module.split(".")
+    if parts[0] == "queryqueue" and len(parts) > 1:
+        return parts[1]
+    return parts[0]
+
+
 def _imports(path: Path) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
+            found.update(_package(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+            found.add(_package(node.module))
     return found & OURS
 
 
@@ -42,7 +50,8 @@ def test_imports_flow_one_way(module: Path) -> None:
     if relative in LEAVES:
         assert imported - {"engine"} == set()
         assert not any(
-            name.startswith("engine.") and name not in {"engine.errors", "engine.responses"}
+            name.startswith("queryqueue.engine.")
+            and name not in {"queryqueue.engine.errors", "queryqueue.engine.responses"}
             for name in _full_imports(module)
         ), f"{relative} is a leaf and must not import the engine's other modules"
     assert imported <= ALLOWED[package], f"{relative} imports {imported - ALLOWED[package]}"
@@ -56,3 +65,26 @@ def _full_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return names
+
+
+def test_only_the_public_package_imports_its_subpackages_by_their_folder_names() -> None:
+    """Every module imports ours as `queryqueue.X`: a bare `import engine` would load a
+    second copy of the module from the checkout (and does not exist once installed)."""
+    bare = {"engine", "driver_sqlite", "driver_postgres", "supervisor"}
+    offenders = []
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        if (
+            ".venv" in path.parts
+            or "queryqueue" in path.parts[len(ROOT.parts) : len(ROOT.parts) + 1]
+        ):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            offenders += [
+                f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in bare
+            ]
+    assert offenders == []

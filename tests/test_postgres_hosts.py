@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from engine.errors import ContinueWaitError, StoreError
-from supervisor.client import SocketQueueDriver
-from supervisor.launch import SupervisorProcess, launch
+from queryqueue.engine.errors import ContinueWaitError, StoreError
+from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.postgres_util import URL, drop_schema, fresh_schema, require_postgres
+from tests.supervisor_util import REPO
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
 
@@ -41,6 +42,7 @@ def _host(workdir: Path, name: str, schema: str, *options: str) -> SupervisorPro
         schema,
         *options,
         store=URL,
+        cwd=REPO,
     )
 
 

@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
-from driver_sqlite.store import SqliteQueueStore
-from engine import events as ev
-from engine.driver import LocalQueueDriver, QueueDriver
-from engine.errors import ContinueWaitError, InvalidCommandError, QueryError
-from engine.memory_store import MemoryQueueStore
-from engine.queue import QueryQueue
-from engine.responses import ListResponse
-from engine.retrieved import RetrievedQuery
-from engine.store import QueueStore
-from engine.stream import QueryStream
-from engine.sync import SyncQueryQueue
-from supervisor.client import SocketQueueDriver
+from queryqueue.driver_sqlite.store import SqliteQueueStore
+from queryqueue.engine import events as ev
+from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
+from queryqueue.engine.errors import ContinueWaitError, InvalidCommandError, QueryError
+from queryqueue.engine.memory_store import MemoryQueueStore
+from queryqueue.engine.queue import QueryQueue
+from queryqueue.engine.responses import ListResponse
+from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.store import QueueStore
+from queryqueue.engine.stream import QueryStream
+from queryqueue.engine.sync import SyncQueryQueue
+from queryqueue.supervisor.client import SocketQueueDriver
 from tests.supervisor_util import SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until
 
@@ -661,7 +661,7 @@ async def test_events_reach_python_logging(
     make_queue: MakeQueue, rec: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
     queue = make_queue(query_handlers={"sql": rec.instant})
-    with caplog.at_level("DEBUG", logger="engine.queue"):
+    with caplog.at_level("DEBUG", logger="queryqueue.queue"):
         await queue.execute_in_queue("sql", "logged", {})
     messages = [r.queue_event for r in caplog.records if hasattr(r, "queue_event")]
     assert messages[0] == ev.ADDED_TO_QUEUE

@@ -10,12 +10,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from engine.errors import InvalidCommandError, StoreError
-from engine.memory_store import MemoryQueueStore
-from supervisor.client import SocketQueueDriver
-from supervisor.protocol import encode_frame, read_frame
-from supervisor.server import QueueServer
-from supervisor.shm import (
+from queryqueue.engine.errors import InvalidCommandError, StoreError
+from queryqueue.engine.memory_store import MemoryQueueStore
+from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.supervisor.protocol import encode_frame, read_frame
+from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.shm import (
     HEADER,
     SHM_DIR,
     SegmentMaps,

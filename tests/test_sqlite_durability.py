@@ -15,13 +15,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from driver_sqlite.store import SqliteQueueStore
-from engine.errors import SchemaVersionError, StoreError
+from queryqueue.driver_sqlite.store import SqliteQueueStore
+from queryqueue.engine.errors import SchemaVersionError, StoreError
 
 WRITER = textwrap.dedent(
     """
     import sys
-    from driver_sqlite.store import SqliteQueueStore
+    from queryqueue.driver_sqlite.store import SqliteQueueStore
 
     store = SqliteQueueStore(sys.argv[1], synchronous=sys.argv[2])
     out = sys.stdout

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.clock import ManualClock
-from engine.errors import InvalidCommandError
-from engine.memory_store import MemoryQueueStore
-from supervisor import sqltext
+from queryqueue.engine.clock import ManualClock
+from queryqueue.engine.errors import InvalidCommandError
+from queryqueue.engine.memory_store import MemoryQueueStore
+from queryqueue.supervisor import sqltext
 
 
 def run(store: MemoryQueueStore, text: str, process_id: str | None = None) -> list[sqltext.Row]:

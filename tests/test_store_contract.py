@@ -7,9 +7,13 @@ import asyncio
 import orjson
 import pytest
 
-from engine.clock import ManualClock
-from engine.errors import ExclusiveAccessError, ExternalIdConflictError, InvalidCommandError
-from engine.responses import (
+from queryqueue.engine.clock import ManualClock
+from queryqueue.engine.errors import (
+    ExclusiveAccessError,
+    ExternalIdConflictError,
+    InvalidCommandError,
+)
+from queryqueue.engine.responses import (
     AckResponse,
     AddAndRetrieveResponse,
     AddToQueueResponse,
@@ -19,7 +23,7 @@ from engine.responses import (
     RetrieveResponse,
     ToCancelResponse,
 )
-from engine.store import QueueStore
+from queryqueue.engine.store import QueueStore
 from tests.conftest import StoreFactory
 from tests.waiting import wait_until
 

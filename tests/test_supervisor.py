@@ -20,9 +20,9 @@ from typing import Any
 import orjson
 import pytest
 
-from driver_sqlite.store import SqliteQueueStore
-from engine.errors import ExternalIdConflictError, InvalidCommandError
-from supervisor.client import SocketQueueDriver
+from queryqueue.driver_sqlite.store import SqliteQueueStore
+from queryqueue.engine.errors import ExternalIdConflictError, InvalidCommandError
+from queryqueue.supervisor.client import SocketQueueDriver
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.waiting import wait_until_sync
 
@@ -333,7 +333,7 @@ def test_cli_status_and_sql(supervisor: SupervisorProcess) -> None:
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "supervisor.cli", *args],
+            [sys.executable, "-m", "queryqueue", *args],
             capture_output=True,
             text=True,
             env=env,
@@ -356,9 +356,9 @@ def test_cli_status_and_sql(supervisor: SupervisorProcess) -> None:
 CRASH_CLIENT = textwrap.dedent(
     """
     import asyncio, sys
-    from engine.errors import QueueError
-    from engine.queue import QueryQueue
-    from supervisor.client import SocketQueueDriver
+    from queryqueue.engine.errors import QueueError
+    from queryqueue.engine.queue import QueryQueue
+    from queryqueue.supervisor.client import SocketQueueDriver
 
     socket_path, name, count, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 
@@ -457,8 +457,8 @@ def _lines(path: Path) -> int:
 
 
 def test_tcp_listener_is_loopback_only() -> None:
-    from engine.memory_store import MemoryQueueStore
-    from supervisor.server import QueueServer
+    from queryqueue.engine.memory_store import MemoryQueueStore
+    from queryqueue.supervisor.server import QueueServer
 
     with pytest.raises(ValueError, match="loopback"):
         QueueServer(MemoryQueueStore(), "/tmp/unused.sock", tcp_host="0.0.0.0")
@@ -469,7 +469,7 @@ def test_tcp_listener_is_loopback_only() -> None:
 FORK_SCRIPT = textwrap.dedent(
     """
     import asyncio, os, sys
-    from supervisor.client import SocketQueueDriver
+    from queryqueue.supervisor.client import SocketQueueDriver
 
     driver = SocketQueueDriver(sys.argv[1])
 

@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 import pytest
 
-from driver_sqlite.store import SqliteQueueStore
-from engine.errors import ContinueWaitError
-from supervisor.client import SocketQueueDriver
+from queryqueue.driver_sqlite.store import SqliteQueueStore
+from queryqueue.engine.errors import ContinueWaitError
+from queryqueue.supervisor.client import SocketQueueDriver
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until_sync
@@ -29,7 +29,7 @@ REQUESTS = textwrap.dedent(
     """
     import asyncio, json, os, sys, time
     from pathlib import Path
-    from engine.errors import QueueError
+    from queryqueue.engine.errors import QueueError
     from tests.apps.pool_app import app
 
     go, keys = Path(sys.argv[1]), sys.argv[2].split(",")
@@ -216,12 +216,12 @@ def test_a_worker_holding_the_gil_is_not_reaped_while_alive(
 GIL_CLIENT = textwrap.dedent(
     """
     import asyncio, time
-    from engine.errors import QueueError
+    from queryqueue.engine.errors import QueueError
     from tests.apps.pool_app import app
 
     async def main():
         queue = app.client_queue()
-        long = asyncio.ensure_future(ask("gil", "gil-key", {"n": 6 * 10**7}))
+        long = asyncio.ensure_future(ask("gil", "gil-key", {"seconds": 2.5}))
         beats = 0
         while not long.done():  # keep reconciling: a stale heartbeat would be reaped now
             await ask("sql", f"beat-{beats}", {"key": f"beat-{beats}", "seconds": 0.01})
@@ -330,7 +330,7 @@ async def test_large_results_travel_through_shared_memory_and_leave_nothing(
 ) -> None:
     import hashlib
 
-    from supervisor.shm import SHM_DIR, name_prefix
+    from queryqueue.supervisor.shm import SHM_DIR, name_prefix
     from tests.apps.pool_app import app, big_text
     from tests.waiting import wait_until
 
@@ -412,7 +412,7 @@ async def test_priority_decides_who_runs_next_through_the_pool(
 async def test_an_execution_timeout_in_a_worker_reaches_its_cancel_handler(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.errors import QueryError
+    from queryqueue.engine.errors import QueryError
     from tests.apps.pool_app import short
     from tests.waiting import wait_until
 
@@ -473,7 +473,7 @@ async def test_workers_are_recycled_above_max_memory(
 
 
 def test_each_event_loop_gets_its_own_client_queue(workdir: Path) -> None:
-    from supervisor.app import QueueApp
+    from queryqueue.supervisor.app import QueueApp
 
     app = QueueApp("loops")
     app.socket_path = workdir / "s.sock"

@@ -7,8 +7,8 @@ import os
 import time
 from typing import Any
 
-from engine.stream import QueryStream
-from supervisor.app import QueueApp
+from queryqueue.engine.stream import QueryStream
+from queryqueue.supervisor.app import QueueApp
 
 app = QueueApp("pool", concurrency=2, continue_wait_timeout=1.0, heartbeat_interval=0.25)
 
@@ -40,11 +40,22 @@ async def stream(query: Any, rows: QueryStream) -> None:
 
 @app.handler("gil")
 def hold_the_gil(query: Any, set_cancel_handler: Any) -> float:
+    """Holds the GIL in one C call for about `query["seconds"]`, measured on this CPU: the
+    fastest of a few calibration calls sets the size, so the long call cannot be shorter."""
+    probe = 10**6
+    fastest = min(_timed_sum(probe) for _ in range(5))
+    n = int(probe * query["seconds"] / max(fastest, 1e-6))
     started = time.monotonic()
     _trace("gil-start", "gil", os.getpid(), started)
-    sum(range(query["n"]))  # one long C call: this worker's own heartbeat cannot run
+    sum(range(n))  # one long C call: this worker's own heartbeat cannot run
     _trace("gil-end", "gil", os.getpid(), time.monotonic())
     return time.monotonic() - started
+
+
+def _timed_sum(n: int) -> float:
+    started = time.perf_counter()
+    sum(range(n))
+    return time.perf_counter() - started
 
 
 @app.handler("stubborn")

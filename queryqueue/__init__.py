@@ -1,0 +1,98 @@
+"""queryqueue: identical in-flight queries run once, each queue has a concurrency budget,
+urgent work goes first, and callers wait for results across processes.
+
+    from queryqueue import QueueApp
+
+    app = QueueApp("sql", concurrency=4)
+
+    @app.handler("sql")
+    def run_sql(query, set_cancel_handler): ...
+
+    rows = await app.run("sql", ["SELECT 1"], {"sql": "SELECT 1"})   # or app.run_sync(...)
+
+Every public name is importable from here; the subpackages (`queryqueue.engine`, the
+stores, `queryqueue.supervisor`) are the implementation and may move.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from queryqueue.driver_sqlite import SqliteQueueStore
+from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
+from queryqueue.engine.errors import (
+    CommandRejectedError,
+    CommandTimeoutError,
+    ContinueWaitError,
+    ExclusiveAccessError,
+    ExternalIdConflictError,
+    InvalidCommandError,
+    QueryCancelledError,
+    QueryError,
+    QueryTimeoutError,
+    QueueError,
+    SchemaVersionError,
+    StoreError,
+    SupervisorUnavailableError,
+)
+from queryqueue.engine.handlers import CancelHandler, QueryHandler, SetCancelHandler
+from queryqueue.engine.hashing import hash_query_key
+from queryqueue.engine.memory_store import MemoryQueueStore
+from queryqueue.engine.queue import QueryQueue
+from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.store import QueueStore
+from queryqueue.engine.stream import QueryStream
+from queryqueue.engine.sync import SyncQueryQueue
+from queryqueue.supervisor.app import QueueApp
+from queryqueue.supervisor.client import SocketQueueDriver
+
+if TYPE_CHECKING:
+    from queryqueue.driver_postgres import PostgresQueueStore
+
+try:
+    __version__ = version("queryqueue")
+except PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "CancelHandler",
+    "CommandRejectedError",
+    "CommandTimeoutError",
+    "ContinueWaitError",
+    "ExclusiveAccessError",
+    "ExternalIdConflictError",
+    "InvalidCommandError",
+    "LocalQueueDriver",
+    "MemoryQueueStore",
+    "PostgresQueueStore",
+    "QueryCancelledError",
+    "QueryError",
+    "QueryHandler",
+    "QueryQueue",
+    "QueryStream",
+    "QueryTimeoutError",
+    "QueueApp",
+    "QueueDriver",
+    "QueueError",
+    "QueueStore",
+    "RetrievedQuery",
+    "SchemaVersionError",
+    "SetCancelHandler",
+    "SocketQueueDriver",
+    "SqliteQueueStore",
+    "StoreError",
+    "SupervisorUnavailableError",
+    "SyncQueryQueue",
+    "__version__",
+    "hash_query_key",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # psycopg is an extra: the PostgreSQL store is imported on first use, not with the package.
+    if name == "PostgresQueueStore":
+        from queryqueue.driver_postgres import PostgresQueueStore
+
+        return PostgresQueueStore
+    raise AttributeError(f"module 'queryqueue' has no attribute {name!r}")
