@@ -103,10 +103,16 @@ class QueueConnection:
         found = await self.driver.result(self.path(query_key_hash), external_id=external_id)
         return None if found is None or found.payload is None else orjson.loads(found.payload)
 
-    async def get_result_blocking(self, query_key_hash: str, queue_id: QueueId | None) -> Any:
-        found = await self.driver.result_blocking(
-            self._key(query_key_hash, queue_id), self.continue_wait_timeout_ms
-        )
+    async def get_result_by_id(self, queue_id: QueueId) -> Any:
+        found = await self.driver.result(queue_id)
+        return None if found is None or found.payload is None else orjson.loads(found.payload)
+
+    async def get_result_blocking(
+        self, query_key_hash: str, queue_id: QueueId | None, wait: float | None = None
+    ) -> Any:
+        """The result, waiting up to `wait` seconds (`continue_wait_timeout` by default)."""
+        timeout_ms = self.continue_wait_timeout_ms if wait is None else round(wait * 1000)
+        found = await self.driver.result_blocking(self._key(query_key_hash, queue_id), timeout_ms)
         return None if found is None or found.payload is None else orjson.loads(found.payload)
 
     async def add_to_queue(
@@ -176,7 +182,12 @@ class QueueConnection:
     ) -> QueryDef | None:
         return decode_def(await self.driver.cancel(self._key(query_key_hash, queue_id)))
 
-    cancel_query = get_query_and_remove
+    async def cancel_query(
+        self, query_key_hash: str, queue_id: QueueId | None, result: str
+    ) -> QueryDef | None:
+        """Remove the item with `result` as its outcome, which answers its waiters."""
+        key = self._key(query_key_hash, queue_id)
+        return decode_def(await self.driver.cancel(key, result=result))
 
     async def get_active_queries(self) -> list[tuple[str, QueueId]]:
         rows = await self.driver.active(self.prefix, process_id=self.process_uid)

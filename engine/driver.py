@@ -73,7 +73,9 @@ class QueueDriver(Protocol):
 
     async def get(self, key: QueueKey) -> QueryDefResponse | None: ...
 
-    async def cancel(self, key: QueueKey) -> QueryDefResponse | None: ...
+    async def cancel(
+        self, key: QueueKey, *, result: str | None = None
+    ) -> QueryDefResponse | None: ...
 
     async def heartbeat(self, key: QueueKey) -> bool: ...
 
@@ -190,8 +192,8 @@ class LocalQueueDriver:
     async def get(self, key: QueueKey) -> QueryDefResponse | None:
         return self.store.get(key)
 
-    async def cancel(self, key: QueueKey) -> QueryDefResponse | None:
-        return self.store.cancel(key)
+    async def cancel(self, key: QueueKey, *, result: str | None = None) -> QueryDefResponse | None:
+        return self.store.cancel(key, result=result)
 
     async def heartbeat(self, key: QueueKey) -> bool:
         return self.store.heartbeat(key)

@@ -37,10 +37,13 @@ class SchemaVersionError(StoreError):
 
 
 class ContinueWaitError(QueueError):
-    """The long poll ended before the result arrived; the caller should ask again."""
+    """The long poll ended before the result arrived; the caller should ask again.
 
-    def __init__(self, message: str = "Continue wait") -> None:
+    `queue_id` names the item waited for, when there was one: `run()` re-polls it."""
+
+    def __init__(self, message: str = "Continue wait", *, queue_id: int | None = None) -> None:
         super().__init__(message)
+        self.queue_id = queue_id
 
 
 class QueryError(QueueError):
@@ -80,6 +83,10 @@ class QueryCancelledError(QueryError):
 class QueryTimeoutError(QueryError, TimeoutError):
     """A query ran past its execution timeout, or a caller's `run(..., timeout=)` deadline
     passed before its result arrived."""
+
+
+class QueueClosedError(QueueError):
+    """The queue was closed (`close()`): it takes no new work."""
 
 
 class SupervisorUnavailableError(QueueError, ConnectionError):

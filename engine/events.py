@@ -1,5 +1,5 @@
 """Queue events: Cube's messages and fields, to a `logger(message, fields)` callable and to
-Python `logging` (logger `engine.queue`, the fields under `extra={"queue_fields": ...}`)."""
+Python `logging` (logger `queryqueue.queue`, the fields under `extra={"queue_fields": ...}`)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,9 @@ class Events:
         queue listing of "Waiting for query") are only gathered for a listener."""
         return self._logger is not None or _log.isEnabledFor(_level(message))
 
-    def emit(self, message: str, fields: dict[str, Any]) -> None:
+    def emit(
+        self, message: str, fields: dict[str, Any], *, exc_info: BaseException | None = None
+    ) -> None:
         if self._logger is not None:
             self._logger(message, fields)
         level = _level(message)
@@ -62,6 +64,7 @@ class Events:
                 "%s %s",
                 message,
                 fields,
+                exc_info=exc_info,
                 extra={"queue_event": message, "queue_fields": fields},
             )
 

@@ -21,13 +21,15 @@ import orjson
 from queryqueue.engine import events as ev
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock, SystemClock
-from queryqueue.engine.connection import QueryDef, QueueConnection
+from queryqueue.engine.connection import AddedToQueue, QueryDef, QueueConnection
 from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
 from queryqueue.engine.errors import (
     ContinueWaitError,
     InvalidCommandError,
+    QueryCancelledError,
     QueryError,
     QueryTimeoutError,
+    QueueClosedError,
 )
 from queryqueue.engine.events import EventLogger, Events
 from queryqueue.engine.handlers import (
@@ -38,6 +40,13 @@ from queryqueue.engine.handlers import (
     StreamHandler,
 )
 from queryqueue.engine.hashing import hash_query_key, js_number
+from queryqueue.engine.outcome import (
+    CANCELLED_MESSAGE,
+    encode_cancelled,
+    encode_error,
+    encode_result,
+    parse_result,
+)
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
@@ -52,6 +61,19 @@ REAP_INTERVAL_MS = 1000
 # The fast track is for latency-sensitive work: QueryCache submits user queries at 10.
 FAST_TRACK_PRIORITY = 10
 HEARTBEAT_LOG_INTERVAL = 5 * 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """One caller's query, as `execute_in_queue` and `run` take it."""
+
+    query_handler: str
+    query_key: Any
+    query: Any
+    priority: int
+    stage_query_key: Any
+    request_id: str | None
+    span_id: str | None
 
 
 @dataclass(eq=False)
@@ -142,7 +164,8 @@ class QueryQueue:
         self._reaped_at: int | None = None  # when this process last looked for stalled items
         self._executions: dict[QueueId, _Execution] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._closing = False
+        self._closing = False  # shutdown() in progress: start nothing new meanwhile
+        self._closed = False  # close(): refuses new work for good
         self._threads_lock = threading.Lock()
         self._threads_done = threading.Condition(self._threads_lock)
         self._handler_threads = 0
@@ -165,9 +188,99 @@ class QueryQueue:
     ) -> Any:
         """Enqueue (or join) a query and wait up to `continue_wait_timeout` for its result.
 
-        Raises `ContinueWaitError` when the wait ends first (call again: the retry finds the
-        result or the same item), `QueryError` with the handler's message when it failed.
+        Cube's call: raises `ContinueWaitError` when the wait ends first (call again: the
+        retry finds the result or the same item), `QueryError` (or its family:
+        `QueryCancelledError`, `QueryTimeoutError`) when it failed. `run()` does the
+        retrying for you.
         """
+        return await self._execute(
+            _Request(
+                query_handler, query_key, query, priority, stage_query_key, request_id, span_id
+            ),
+            self.continue_wait_timeout,
+        )
+
+    async def run(
+        self,
+        query_handler: str,
+        query_key: Any,
+        query: Any,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, like Future.result(timeout)
+        request_id: str | None = None,
+        stage_query_key: Any = None,
+    ) -> Any:
+        """Enqueue (or join) a query and wait for its result, however long it takes.
+
+        Re-polls the same item while it runs; raises `QueryTimeoutError` once `timeout`
+        seconds have passed without a result (the query itself goes on, for other callers),
+        `QueryCancelledError` if it was cancelled, `QueryError` if its handler failed."""
+        if timeout is not None and not timeout > 0:
+            raise InvalidCommandError(f"timeout must be positive seconds, got {timeout!r}")
+        request = _Request(
+            query_handler, query_key, query, priority, stage_query_key, request_id, None
+        )
+        deadline = None if timeout is None else self.clock.now_ms() + round(timeout * 1000)
+        queue_id: QueueId | None = None
+        while True:
+            wait = self.continue_wait_timeout
+            if deadline is not None:
+                remaining = (deadline - self.clock.now_ms()) / 1000
+                if remaining <= 0:
+                    raise QueryTimeoutError(
+                        f"no result for the query within {js_number(timeout or 0)} s"
+                    )
+                wait = min(wait, remaining)
+            if queue_id is not None:
+                # A result by queue id reads many times: another caller's read by path
+                # cannot have taken it from us.
+                found = await self.connection.get_result_by_id(queue_id)
+                if found is not None:
+                    return parse_result(found)
+            try:
+                return await self._execute(request, wait)
+            except ContinueWaitError as exc:
+                queue_id = exc.queue_id or queue_id
+
+    async def _execute(self, request: _Request, wait: float) -> Any:
+        self._check_request(request)
+        is_stream = request.query_handler == STREAM_HANDLER
+        flags: Mapping[str, Any] = request.query if isinstance(request.query, Mapping) else {}
+        query_key_hash = self.redis_hash(request.query_key, persistent=is_stream)
+        external_id = _external_id(request.request_id)
+        conn = self.connection
+        if not flags.get("forceBuild"):
+            found = await conn.get_result(query_key_hash, external_id)
+            if found is not None and not (isinstance(found, dict) and found.get("streamResult")):
+                return parse_result(found)
+        elif await conn.get_query_def(query_key_hash) is not None:
+            return None  # a build of this key is already queued or running
+        # Subscribe before anything can dispatch the stream: a handler that starts at once
+        # would otherwise emit into no listener.
+        stream_waiter = self._subscribe_stream(query_key_hash) if is_stream else None
+        waiting: dict[str, Any] | None = None
+        try:
+            added = await self._enqueue(request, query_key_hash, external_id, flags)
+            waiting = await self._start(request, query_key_hash, added, flags)
+            if stream_waiter is not None:
+                return await self._wait_for_stream(query_key_hash, stream_waiter)
+            if flags.get("isJob"):
+                return None
+            result = await conn.get_result_blocking(query_key_hash, added.queue_id, wait)
+            if result is None:
+                raise ContinueWaitError(queue_id=added.queue_id)
+            return parse_result(result)
+        except BaseException:
+            if waiting is not None:
+                self.events.emit(ev.FINISHED_WAITING, waiting)
+            raise
+        finally:
+            if stream_waiter is not None:
+                self._unsubscribe_stream(query_key_hash, stream_waiter)
+
+    def _check_request(self, request: _Request) -> None:
+        priority = request.priority
         if (
             not isinstance(priority, int)
             or isinstance(priority, bool)
@@ -176,32 +289,30 @@ class QueryQueue:
             raise InvalidCommandError(
                 f"Priority should be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority!r}"
             )
-        is_stream = query_handler == STREAM_HANDLER
-        if is_stream and self.stream_handler is None:
-            raise InvalidCommandError("a stream query needs a stream_handler")
-        if not is_stream and query_handler not in self.query_handlers:
-            raise InvalidCommandError(f"unknown query handler {query_handler!r}")
-        flags: Mapping[str, Any] = query if isinstance(query, Mapping) else {}
-        conn = self.connection
-        query_key_hash = self.redis_hash(query_key, persistent=is_stream)
-        external_id = _external_id(request_id)
+        if self._closed:
+            raise QueueClosedError(f"the queue {self.prefix!r} is closed")
+        if request.query_handler == STREAM_HANDLER:
+            if self.stream_handler is None:
+                raise InvalidCommandError("a stream query needs a stream_handler")
+        elif request.query_handler not in self.query_handlers:
+            raise InvalidCommandError(f"unknown query handler {request.query_handler!r}")
 
-        if not flags.get("forceBuild"):
-            found = await conn.get_result(query_key_hash, external_id)
-            if found is not None and not (isinstance(found, dict) and found.get("streamResult")):
-                return _parse_result(found)
-        elif await conn.get_query_def(query_key_hash) is not None:
-            return None  # a build of this key is already queued or running
-
-        now = self.clock.now_ms()
+    async def _enqueue(
+        self,
+        request: _Request,
+        query_key_hash: str,
+        external_id: str | None,
+        flags: Mapping[str, Any],
+    ) -> AddedToQueue:
+        """ADD, or on the fast track ADD_AND_RETRIEVE; joins an identical query in flight."""
         query_def: QueryDef = {
-            "queryHandler": query_handler,
-            "query": query,
-            "queryKey": query_key,
-            "stageQueryKey": stage_query_key,
-            "priority": priority,
-            "requestId": request_id,
-            "addedToQueueTime": now,
+            "queryHandler": request.query_handler,
+            "query": request.query,
+            "queryKey": request.query_key,
+            "stageQueryKey": request.stage_query_key,
+            "priority": request.priority,
+            "requestId": request.request_id,
+            "addedToQueueTime": self.clock.now_ms(),
         }
         try:
             orjson.dumps(query_def)
@@ -209,110 +320,108 @@ class QueryQueue:
             raise InvalidCommandError(
                 f"query and query key must be JSON serializable: {exc}"
             ) from None
-        orphaned_timeout = flags.get("orphanedTimeout", self.orphaned_timeout)
-        fast_track = self.fast_track and priority >= FAST_TRACK_PRIORITY
-        # Subscribe before anything can dispatch the stream: a handler that starts at once
-        # would otherwise emit into no listener.
-        stream_waiter = self._subscribe_stream(query_key_hash) if is_stream else None
-        waiting_context: dict[str, Any] | None = None
-        try:
-            added = await conn.add_to_queue(
-                query_key_hash,
-                query_def,
-                priority=priority,
-                orphaned_timeout=orphaned_timeout,
-                external_id=external_id,
-                exclusive=is_stream,
-                fast_track=fast_track,
-            )
-            context = {
-                "queueId": added.queue_id,
-                "spanId": span_id,
-                "queryKey": query_key,
-                "queuePrefix": self.prefix,
-                "requestId": request_id,
-                "waitingForRequestId": request_id,
-            }
-            fast_tracked = added.retrieved is not None
-            if added.added:
-                waiting_context = context
-                self.events.emit(
-                    ev.ADDED_TO_QUEUE,
-                    {
-                        **context,
-                        "priority": priority,
-                        "queueSize": added.queue_size,
-                        "forceBuild": bool(flags.get("forceBuild")),
-                        "persistent": is_stream,
-                        "fastTrack": fast_tracked,
-                    },
-                )
-            if added.retrieved is not None:
-                retrieved = RetrievedQuery(
-                    query_key_hash,
-                    added.queue_id,
-                    added.queue_id,
-                    added.queue_size,
-                    added.retrieved,
-                )
-                try:
-                    await self.send_process_message_fn(retrieved)
-                except Exception as exc:
-                    # The item is active and ours: only the stalled path can reclaim it now.
-                    self.events.emit(ev.ERROR_PROCESSING_MESSAGE, {**context, "error": repr(exc)})
-                    raise ContinueWaitError() from exc
-                active_keys, to_process = list(added.active_keys), list[str]()
-            else:
-                if self.reconcile or is_stream:
-                    await self.reconcile_queue()
-                if not added.added:
-                    existing = await conn.get_query_def(query_key_hash, added.queue_id)
-                    if existing is not None:
-                        context = {
-                            **context,
-                            "queryKey": existing.get("queryKey"),
-                            "waitingForRequestId": existing.get("requestId"),
-                        }
-                if self.events.wanted(ev.WAITING_FOR_QUERY):
-                    active_keys, to_process, _ = await conn.get_query_stage_state(True)
-                else:  # a listing of the whole queue per request, for nobody: skipped
-                    active_keys, to_process = [], []
-            waiting_context = context
+        is_stream = request.query_handler == STREAM_HANDLER
+        return await self.connection.add_to_queue(
+            query_key_hash,
+            query_def,
+            priority=request.priority,
+            orphaned_timeout=flags.get("orphanedTimeout", self.orphaned_timeout),
+            external_id=external_id,
+            exclusive=is_stream,
+            fast_track=self.fast_track and request.priority >= FAST_TRACK_PRIORITY,
+        )
+
+    async def _start(
+        self,
+        request: _Request,
+        query_key_hash: str,
+        added: AddedToQueue,
+        flags: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Get the item going: hand it off at once if the fast track retrieved it, else
+        reconcile. Returns the context of the "Waiting for query" event it emitted."""
+        context = {
+            "queueId": added.queue_id,
+            "spanId": request.span_id,
+            "queryKey": request.query_key,
+            "queuePrefix": self.prefix,
+            "requestId": request.request_id,
+            "waitingForRequestId": request.request_id,
+        }
+        fast_tracked = added.retrieved is not None
+        if added.added:
             self.events.emit(
-                ev.WAITING_FOR_QUERY,
+                ev.ADDED_TO_QUEUE,
                 {
                     **context,
+                    "priority": request.priority,
                     "queueSize": added.queue_size,
-                    "activeQueryKeys": active_keys,
-                    "toProcessQueryKeys": to_process,
-                    "active": query_key_hash in active_keys,
-                    "queueIndex": to_process.index(query_key_hash)
-                    if query_key_hash in to_process
-                    else -1,
+                    "forceBuild": bool(flags.get("forceBuild")),
+                    "persistent": request.query_handler == STREAM_HANDLER,
                     "fastTrack": fast_tracked,
                 },
             )
-            if stream_waiter is not None:
-                return await self._wait_for_stream(query_key_hash, stream_waiter)
-            if flags.get("isJob"):
-                return None
-            result = await conn.get_result_blocking(query_key_hash, added.queue_id)
-            if result is None:
-                raise ContinueWaitError()
-            return _parse_result(result)
-        except BaseException:
-            if waiting_context is not None:
-                self.events.emit(ev.FINISHED_WAITING, waiting_context)
-            raise
-        finally:
-            if stream_waiter is not None:
-                self._unsubscribe_stream(query_key_hash, stream_waiter)
+        if added.retrieved is not None:
+            await self._fast_track(query_key_hash, added, context)
+            active_keys, to_process = list(added.active_keys), list[str]()
+        else:
+            if self.reconcile or request.query_handler == STREAM_HANDLER:
+                await self.reconcile_queue()
+            if not added.added:
+                context = await self._joined_context(query_key_hash, added, context)
+            if self.events.wanted(ev.WAITING_FOR_QUERY):
+                active_keys, to_process, _ = await self.connection.get_query_stage_state(True)
+            else:  # a listing of the whole queue per request, for nobody: skipped
+                active_keys, to_process = [], []
+        self.events.emit(
+            ev.WAITING_FOR_QUERY,
+            {
+                **context,
+                "queueSize": added.queue_size,
+                "activeQueryKeys": active_keys,
+                "toProcessQueryKeys": to_process,
+                "active": query_key_hash in active_keys,
+                "queueIndex": to_process.index(query_key_hash)
+                if query_key_hash in to_process
+                else -1,
+                "fastTrack": fast_tracked,
+            },
+        )
+        return context
+
+    async def _fast_track(
+        self, query_key_hash: str, added: AddedToQueue, context: dict[str, Any]
+    ) -> None:
+        """ADD_AND_RETRIEVE made the item active and ours: hand it off now, no reconcile."""
+        assert added.retrieved is not None
+        retrieved = RetrievedQuery(
+            query_key_hash, added.queue_id, added.queue_id, added.queue_size, added.retrieved
+        )
+        try:
+            await self.send_process_message_fn(retrieved)
+        except Exception as exc:
+            # The item is active and ours: only the stalled path can reclaim it now.
+            self.events.emit(ev.ERROR_PROCESSING_MESSAGE, {**context, "error": repr(exc)})
+            raise ContinueWaitError(queue_id=added.queue_id) from exc
+
+    async def _joined_context(
+        self, query_key_hash: str, added: AddedToQueue, context: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Dedup: an identical query was in flight; the events name whose request it is."""
+        existing = await self.connection.get_query_def(query_key_hash, added.queue_id)
+        if existing is None:
+            return context
+        return {
+            **context,
+            "queryKey": existing.get("queryKey"),
+            "waitingForRequestId": existing.get("requestId"),
+        }
 
     # -- reconcile -------------------------------------------------------------------------
 
     async def reconcile_queue(self) -> None:
         """Single-flight: callers during a run share it and cause exactly one more run."""
-        if self._closing:
+        if self._closing or self._closed:
             return
         if self._reconcile_task is None:
             self._reconcile_again = False
@@ -453,10 +562,12 @@ class QueryQueue:
                     ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
                 )
             except Exception as exc:
-                result = orjson.dumps({"error": str(exc) or type(exc).__name__}).decode()
+                result = encode_error(exc)
+                # Logged here, once, with its traceback; callers get the text in the result.
                 self.events.emit(
                     ev.ERROR_WHILE_QUERYING,
                     {**context, "duration": _ms_since(started), "error": repr(exc)},
+                    exc_info=exc,
                 )
                 if isinstance(exc, QueryTimeoutError):
                     current = await conn.get_query_def(query_key_hash, queue_id)
@@ -513,9 +624,9 @@ class QueryQueue:
             try:
                 await task
             except asyncio.CancelledError:
-                await stream.end(QueryError("Query was cancelled"))
+                await stream.end(QueryCancelledError(CANCELLED_MESSAGE))
                 if execution.cancelled and task.cancelled():
-                    raise QueryError("Query was cancelled") from None
+                    raise QueryCancelledError(CANCELLED_MESSAGE) from None
                 raise
             except Exception as exc:
                 await stream.end(exc)
@@ -547,17 +658,13 @@ class QueryQueue:
             ) from None
         except asyncio.CancelledError:
             if execution.cancelled and execution.handler_task.cancelled():
-                raise QueryError("Query was cancelled") from None
+                raise QueryCancelledError(CANCELLED_MESSAGE) from None
             execution.handler_task.cancel()  # this execution is being stopped (shutdown)
             await asyncio.gather(execution.handler_task, return_exceptions=True)
             raise
         if inspect.isawaitable(value):
             value = await value
-        # Encoded once, here: a result of 100 MiB is not serialized twice.
-        try:
-            return orjson.dumps({"result": value}).decode()
-        except TypeError as exc:
-            raise QueryError(f"query result is not JSON serializable: {exc}") from None
+        return encode_result(value)
 
     def _in_thread(
         self, handler: QueryHandler, query: Any, set_cancel_handler: SetCancelHandler
@@ -614,16 +721,30 @@ class QueryQueue:
                 continue
             try:
                 current = await conn.get_query_def(retrieved.query_key_hash, retrieved.queue_id)
-                if current is None:
-                    # Removed by someone else (manual cancel elsewhere, reaped): fire once.
-                    execution.external_cancel_fired = True
-                    self.events.emit(ev.CANCELLING_EXTERNAL, context)
-                    await self.process_cancel(
-                        {**retrieved.query, "cancelHandler": execution.cancel_handler},
-                        retrieved.queue_id,
-                    )
+                if current is None:  # removed by someone else (manual cancel elsewhere, reaped)
+                    await self._cancel_external(execution)
             except Exception as exc:
                 self.events.emit(ev.ERROR_CHECKING_EXTERNAL, {**context, "error": repr(exc)})
+
+    def cancel_execution(self, queue_id: QueueId) -> bool:
+        """The item this process runs was removed elsewhere (a supervisor says so at once):
+        stop it now with its cancel handler, as its next heartbeat would. False if it does
+        not run here or was stopped already."""
+        execution = self._executions.get(queue_id)
+        if execution is None or execution.external_cancel_fired or execution.finished:
+            return False
+        self._spawn(self._cancel_external(execution))
+        return True
+
+    async def _cancel_external(self, execution: _Execution) -> None:
+        if execution.external_cancel_fired:  # once, whoever notices first
+            return
+        execution.external_cancel_fired = True
+        retrieved = execution.retrieved
+        self.events.emit(ev.CANCELLING_EXTERNAL, self._execution_context(retrieved))
+        await self.process_cancel(
+            {**retrieved.query, "cancelHandler": execution.cancel_handler}, retrieved.queue_id
+        )
 
     async def process_cancel(self, query_def: QueryDef, queue_id: QueueId | None) -> None:
         """Call the cancel handler of the query's handler, and stop the query if it runs in
@@ -662,7 +783,9 @@ class QueryQueue:
     # -- cancellation and introspection ---------------------------------------------------------
 
     async def cancel_query(self, query_key_hash: str, queue_id: QueueId | None = None) -> bool:
-        query_def = await self.connection.cancel_query(query_key_hash, queue_id)
+        """Cancel a queued or running query: its waiters get `QueryCancelledError`, the
+        execution is stopped and its cancel handler called. False if nothing was cancelled."""
+        query_def = await self.connection.cancel_query(query_key_hash, queue_id, encode_cancelled())
         if queue_id is None:
             # Cancelled by key: if it runs here, name the execution so it is stopped now.
             queue_id = next(
@@ -684,7 +807,7 @@ class QueryQueue:
                 },
             )
             await self.send_cancel_message_fn(query_def, queue_id)
-        return True
+        return query_def is not None
 
     async def cancel_query_by_request_id(self, request_id: str) -> list[QueryDef]:
         cancelled = []
@@ -801,17 +924,32 @@ class QueryQueue:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def shutdown(self, grace: float = 30.0) -> bool:
-        """Start nothing new, wait for a reconcile in flight, give the executions running
-        here up to `grace` seconds to finish and ACK, then stop the rest (their items are
-        reclaimed through the stalled path). Returns whether a reconcile was in flight."""
+        """Wait for a reconcile in flight, give the executions running here up to `grace`
+        seconds to finish and ACK, then stop the rest (their items are reclaimed through
+        the stalled path). Returns whether a reconcile was in flight.
+
+        As in Cube, the queue stays usable: later calls enqueue and reconcile as before.
+        `close()` ends it for good."""
         self._closing = True
-        in_flight = self._reconcile_task is not None
-        if self._reconcile_task is not None:
-            await asyncio.gather(self._reconcile_task, return_exceptions=True)
-        if self._background and grace > 0:
-            # Executions may be running other processes' queries: cutting them off would
-            # make those run twice once reclaimed.
-            await asyncio.wait(list(self._background), timeout=grace)
+        try:
+            in_flight = self._reconcile_task is not None
+            if self._reconcile_task is not None:
+                await asyncio.gather(self._reconcile_task, return_exceptions=True)
+            if self._background and grace > 0:
+                # Executions may be running other processes' queries: cutting them off
+                # would make those run twice once reclaimed.
+                await asyncio.wait(list(self._background), timeout=grace)
+            await self._stop_background()
+        finally:
+            self._closing = False
+        return in_flight
+
+    async def close(self, grace: float = 30.0) -> None:
+        """Shut down, and refuse new work from now on with `QueueClosedError`."""
+        self._closed = True
+        await self.shutdown(grace)
+
+    async def _stop_background(self) -> None:
         while self._reconcile_task is not None or self._background:
             if self._reconcile_task is not None:
                 await asyncio.gather(self._reconcile_task, return_exceptions=True)
@@ -822,7 +960,6 @@ class QueryQueue:
         for handler in handlers:
             handler.cancel()
         await asyncio.gather(*handlers, return_exceptions=True)
-        return in_flight
 
     def _execution_context(self, retrieved: RetrievedQuery) -> dict[str, Any]:
         query = retrieved.query
@@ -852,15 +989,6 @@ def _external_id(request_id: str | None) -> str | None:
     if len(external_id) > MAX_EXTERNAL_ID_LENGTH:
         external_id = hash_query_key(external_id)
     return external_id
-
-
-def _parse_result(result: Any) -> Any:
-    if isinstance(result, dict):
-        if "error" in result:
-            raise QueryError(str(result["error"]))
-        if "result" in result:
-            return result["result"]
-    return None
 
 
 def _ms_since(started: float) -> int:

@@ -465,30 +465,35 @@ class QueueStore(ABC):
         wake every RESULT_BLOCKING waiter of it. Unknown or already acked → success False."""
         v.check_key(key)
         v.check_json("result", result, nullable=True)
-        now = self.clock.now_ms()
         with self._atomic() as tx:
             item = tx.find(key)
             if item is None:
                 return AckResponse(success=False)
-            tx.delete(item)
-            if result is not None:
-                tx.insert_result(
-                    StoredResult(
-                        id=item.id,
-                        path=item.path,
-                        value=result,
-                        deleted=False,
-                        expire=now + self.result_ttl_ms,
-                        external_id=item.external_id,
-                    )
+            self._complete(tx, item, result)
+        return AckResponse(success=True)
+
+    def _complete(self, tx: StoreTransaction, item: Item, result: str | None) -> None:
+        """Remove `item` with `result` as its outcome: kept for readers, and every
+        RESULT_BLOCKING waiter woken once it is committed."""
+        now = self.clock.now_ms()
+        tx.delete(item)
+        if result is not None:
+            tx.insert_result(
+                StoredResult(
+                    id=item.id,
+                    path=item.path,
+                    value=result,
+                    deleted=False,
+                    expire=now + self.result_ttl_ms,
+                    external_id=item.external_id,
                 )
-            tx.purge_expired_results(now, PURGE_BATCH)
-            tx.acked(item, result)
+            )
+        tx.purge_expired_results(now, PURGE_BATCH)
+        tx.acked(item, result)
         # Decide, then act: waiters are woken only once the result is committed.
         self._after_commit(
             lambda: self.waiters.publish(AckEvent(item.id, item.path, result, item.external_id))
         )
-        return AckResponse(success=True)
 
     def result(
         self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
@@ -589,14 +594,22 @@ class QueueStore(ABC):
             return None
         return QueryDefResponse(payload=item.payload, extra=item.extra)
 
-    def cancel(self, key: QueueKey) -> QueryDefResponse | None:
-        """QUEUE CANCEL key: remove a pending or active item. No result, no wake-up."""
+    def cancel(self, key: QueueKey, *, result: str | None = None) -> QueryDefResponse | None:
+        """QUEUE CANCEL key: remove a pending or active item. No result, no wake-up.
+
+        `result` (our extension; Cube Store has none) is the cancelled query's outcome: it
+        is kept and answers every waiter as an ACK's would, in the same transaction, so
+        callers learn of the cancellation instead of waiting it out and running it again."""
         v.check_key(key)
+        v.check_json("result", result, nullable=True)
         with self._atomic() as tx:
             item = tx.find(key, with_payload=True)
             if item is None or item.payload is None:
                 return None
-            tx.delete(item)
+            if result is None:
+                tx.delete(item)
+            else:
+                self._complete(tx, item, result)
         return QueryDefResponse(payload=item.payload, extra=item.extra)
 
     def heartbeat(self, key: QueueKey) -> bool:

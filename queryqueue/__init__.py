@@ -16,7 +16,6 @@ stores, `queryqueue.supervisor`) are the implementation and may move.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from queryqueue.driver_sqlite import SqliteQueueStore
@@ -31,6 +30,7 @@ from queryqueue.engine.errors import (
     QueryCancelledError,
     QueryError,
     QueryTimeoutError,
+    QueueClosedError,
     QueueError,
     SchemaVersionError,
     StoreError,
@@ -44,16 +44,14 @@ from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.stream import QueryStream
 from queryqueue.engine.sync import SyncQueryQueue
+from queryqueue.engine.version import package_version
 from queryqueue.supervisor.app import QueueApp
 from queryqueue.supervisor.client import SocketQueueDriver
 
 if TYPE_CHECKING:
     from queryqueue.driver_postgres import PostgresQueueStore
 
-try:
-    __version__ = version("queryqueue")
-except PackageNotFoundError:  # run from a checkout that was never installed
-    __version__ = "0+unknown"
+__version__ = package_version()
 
 __all__ = [
     "CancelHandler",
@@ -73,6 +71,7 @@ __all__ = [
     "QueryStream",
     "QueryTimeoutError",
     "QueueApp",
+    "QueueClosedError",
     "QueueDriver",
     "QueueError",
     "QueueStore",

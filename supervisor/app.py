@@ -6,7 +6,8 @@
     def run_sql(query, set_cancel_handler): ...
 
 The supervisor loads it (`--app pkg.module:app`) to run handlers in its worker pool;
-request processes call `await app.execute_in_queue(...)` against the same supervisor.
+request processes call `await app.run(...)` (or `app.run_sync(...)` without an event
+loop) against the same supervisor, and the pool runs the query whatever its priority.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,7 @@ from queryqueue.engine.handlers import (
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
+from queryqueue.engine.sync import SyncQueryQueue
 from queryqueue.supervisor.client import SocketQueueDriver
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,6 +48,7 @@ class QueueApp:
         # closed loop's queue goes with it (an id() key could be reused by the next loop).
         self._queues: dict[int, weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, QueryQueue]]
         self._queues = {}
+        self._sync_queues: dict[int, SyncQueryQueue] = {}  # by pid: a fork makes its own
         self.socket_path: Path | None = None  # None: $QUERYQUEUE_SOCKET, then the default
 
     def handler(self, name: str) -> Callable[[F], F]:
@@ -103,22 +107,115 @@ class QueueApp:
             queue = queues[loop] = self.pool_queue(SocketQueueDriver(self.socket_path))
         return queue
 
+    async def run(
+        self,
+        query_handler: str,
+        query_key: Any,
+        query: Any,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, like Future.result(timeout)
+        request_id: str | None = None,
+    ) -> Any:
+        """Run the query in the supervisor's pool (or join an identical one in flight) and
+        return its result: `QueryQueue.run` on this process's queue."""
+        return await self.client_queue().run(
+            query_handler,
+            query_key,
+            query,
+            priority=priority,
+            timeout=timeout,
+            request_id=request_id,
+        )
+
+    def run_sync(
+        self,
+        query_handler: str,
+        query_key: Any,
+        query: Any,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> Any:
+        """`run` for code without an event loop (a Flask or Django view, a thread): blocks
+        until the result. Nothing runs in this process, whatever the priority."""
+        return self.sync_queue().run(
+            query_handler,
+            query_key,
+            query,
+            priority=priority,
+            timeout=timeout,
+            request_id=request_id,
+        )
+
+    def sync_queue(self) -> SyncQueryQueue:
+        """This process's sync face on the supervisor (made on first use, on a private loop)."""
+        queue = self._sync_queues.get(os.getpid())
+        if queue is None:
+            queue = self._sync_queues[os.getpid()] = SyncQueryQueue(
+                make=lambda: self.pool_queue(SocketQueueDriver(self.socket_path))
+            )
+        return queue
+
+    async def cancel(self, query_key: Any) -> bool:
+        """Cancel the query of this key: its waiters get `QueryCancelledError`, the worker
+        running it its cancel handler. False if it was neither queued nor running."""
+        queue = self.client_queue()
+        return await queue.cancel_query(queue.redis_hash(query_key))
+
     async def execute_in_queue(
         self, query_handler: str, query_key: Any, query: Any, priority: int = 0, **options: Any
     ) -> Any:
+        """Cube's call: one long poll, `ContinueWaitError` if it ends first (see `run`)."""
         return await self.client_queue().execute_in_queue(
             query_handler, query_key, query, priority, **options
         )
 
+    async def aclose(self, grace: float = 5.0) -> None:
+        """Close this event loop's queue and its connection to the supervisor: call it where
+        the loop ends (FastAPI's lifespan, the end of `asyncio.run`). Streams running here
+        get `grace` seconds to finish."""
+        queues = self._queues.get(os.getpid())
+        queue = queues.pop(asyncio.get_running_loop(), None) if queues is not None else None
+        if queue is not None:
+            await queue.close(grace)
+            await queue.driver.close()
+
+    def close(self) -> None:
+        """Stop this process's sync face, if it was made (request processes may also just
+        exit: nothing of theirs is lost)."""
+        queue = self._sync_queues.pop(os.getpid(), None)
+        if queue is not None:
+            queue.close()
+
+
+class AppNotFoundError(ValueError):
+    """An `--app` reference that does not name an importable QueueApp; the message says why
+    in one line."""
+
 
 def load_app(reference: str) -> QueueApp:
-    """`pkg.module:attribute` → the QueueApp it names."""
+    """`pkg.module:attribute` → the QueueApp it names, looked up from the current directory
+    first (as Celery, RQ and Huey do), then the import path."""
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"an app reference looks like pkg.module:app, got {reference!r}")
-    app = getattr(importlib.import_module(module_name), attribute, None)
+        raise AppNotFoundError(f"an app reference looks like pkg.module:app, got {reference!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise AppNotFoundError(
+            f"cannot import {module_name!r} for --app {reference}: {exc}"
+        ) from exc
+    app = getattr(module, attribute, None)
     if not isinstance(app, QueueApp):
-        raise ValueError(f"{reference} is not a QueueApp")
+        found = "nothing" if app is None else f"a {type(app).__name__}"
+        raise AppNotFoundError(
+            f"--app {reference}: {module_name}.{attribute} is {found}, not a QueueApp"
+        )
     return app
 
 
@@ -134,7 +231,8 @@ class PoolDispatch:
         self.queue: QueryQueue | None = None  # the queue that retrieves: set by pool_queue
 
     async def __call__(self, retrieved: RetrievedQuery) -> None:
-        if retrieved.persistent and self.queue is not None:
+        assert self.queue is not None, "PoolDispatch is made by QueueApp.pool_queue"
+        if retrieved.persistent:
             self.queue._spawn(self.queue.execute_query(retrieved))
             return
-        await self.driver.dispatch(retrieved)
+        await self.driver.dispatch(self.queue.prefix, retrieved)

@@ -1,15 +1,33 @@
-"""The `queryqueue` command: demo, supervisor, status, sql."""
+"""The `queryqueue` command: demo, supervisor, status, sql, cancel."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
+import orjson
+
 from queryqueue.engine.errors import QueueError
+from queryqueue.engine.version import package_version
 from queryqueue.supervisor.paths import SOCKET_ENV, default_socket_path
 from queryqueue.supervisor.tables import table
+
+DB_ENV = "QUERYQUEUE_DB"
+APP_ENV = "QUERYQUEUE_APP"
+WORKERS_ENV = "QUERYQUEUE_WORKERS"
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"queryqueue: ${name} must be a whole number, got {value!r}") from None
 
 
 def _socket_option(parser: argparse.ArgumentParser) -> None:
@@ -21,20 +39,41 @@ def _socket_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="queryqueue", description="Query execution queue")
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, skipping the ones that have none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="queryqueue", description="Query execution queue", formatter_class=_Help
+    )
+    parser.add_argument("--version", action="version", version=f"queryqueue {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="run the demo workload on a temporary SQLite queue")
+    demo = commands.add_parser(
+        "demo", help="run the demo workload on a temporary SQLite queue", formatter_class=_Help
+    )
     demo.add_argument("--requests", type=int, default=400, help="queries to submit")
     demo.add_argument("--workers", type=int, default=2, help="worker processes")
     demo.add_argument("--rows", type=int, default=1_000_000, help="rows in the warehouse")
     demo.add_argument("--clients", type=int, default=4, help="request processes")
     demo.add_argument("--users", type=int, default=8, help="concurrent users per process")
 
-    sup = commands.add_parser("supervisor", help="host the queue store and serve it on a socket")
-    where = sup.add_mutually_exclusive_group(required=True)
-    where.add_argument("--db", type=Path, help="SQLite queue database (one host)")
+    sup = commands.add_parser(
+        "supervisor", help="host the queue store and serve it on a socket", formatter_class=_Help
+    )
+    where = sup.add_mutually_exclusive_group()
+    where.add_argument(
+        "--db",
+        type=Path,
+        default=os.environ.get(DB_ENV) or None,
+        help=f"SQLite queue database (one host); ${DB_ENV}",
+    )
     where.add_argument(
         "--store",
         metavar="URL",
@@ -44,12 +83,25 @@ def main(argv: list[str] | None = None) -> int:
         "--schema", default="queryqueue", help="PostgreSQL schema of the queue (with --store)"
     )
     _socket_option(sup)
-    sup.add_argument("--synchronous", choices=["NORMAL", "FULL"], default="NORMAL")
+    sup.add_argument(
+        "--synchronous",
+        choices=["NORMAL", "FULL"],
+        default="NORMAL",
+        help="SQLite durability: FULL also survives power loss, at about a third of the writes",
+    )
     sup.add_argument("--tcp-port", type=int, default=None, help="also listen on 127.0.0.1:PORT")
     sup.add_argument(
-        "--app", default=None, help="pkg.module:app, the QueueApp whose handlers workers run"
+        "--app",
+        default=os.environ.get(APP_ENV) or None,
+        help=f"pkg.module:app, the QueueApp whose handlers workers run (from the current "
+        f"directory first); ${APP_ENV}",
     )
-    sup.add_argument("--workers", type=int, default=0, help="worker processes (with --app)")
+    sup.add_argument(
+        "--workers",
+        type=int,
+        default=_int_env(WORKERS_ENV),
+        help=f"worker processes (with --app; 2 when --app is given alone); ${WORKERS_ENV}",
+    )
     sup.add_argument(
         "--cancel-grace",
         type=float,
@@ -75,45 +127,61 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     status = commands.add_parser(
-        "status", help="per prefix: pending, active, oldest age; commands/s"
+        "status", help="per prefix: pending, active, oldest age; commands/s", formatter_class=_Help
     )
     _socket_option(status)
 
-    sql = commands.add_parser("sql", help="run one QUEUE command given as Cube Store SQL text")
+    sql = commands.add_parser(
+        "sql", help="run one QUEUE command given as Cube Store SQL text", formatter_class=_Help
+    )
     sql.add_argument("text", help="e.g. \"QUEUE LIST 'prefix'\"")
     _socket_option(sql)
 
+    cancel = commands.add_parser(
+        "cancel",
+        help="cancel a queued or running query: its callers get QueryCancelledError",
+        formatter_class=_Help,
+    )
+    cancel.add_argument(
+        "key",
+        nargs="?",
+        help="a queue id, a path (prefix:hash), or with --prefix a query key hash or the "
+        "query key as JSON",
+    )
+    cancel.add_argument("--prefix", help="the queue's prefix (all prefixes with --request-id)")
+    cancel.add_argument("--request-id", help="cancel every query of this request id instead")
+    _socket_option(cancel)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C: the supervisor stopped its workers already; no traceback
+    except BrokenPipeError:
+        # `queryqueue status | head`: the reader left. Python would print a traceback
+        # when it flushes stdout at exit; point stdout at /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     socket_path: Path = getattr(args, "socket", None) or default_socket_path()
     try:
         if args.command == "supervisor":
-            from queryqueue.supervisor.process import run
-
-            if (args.app is None) != (args.workers == 0):
-                parser.error("--app and --workers go together")
-            if args.store is not None and not args.store.startswith(
-                ("postgresql://", "postgres://")
-            ):
-                parser.error("--store takes a postgresql:// URL")
-            return run(
-                args.store or args.db,
-                socket_path,
-                schema=args.schema,
-                synchronous=args.synchronous,
-                tcp_port=args.tcp_port,
-                app=args.app,
-                workers=args.workers,
-                cancel_grace=args.cancel_grace,
-                max_tasks_per_worker=args.max_tasks_per_worker,
-                max_memory_per_worker=(
-                    args.max_memory_per_worker * 1024 * 1024 if args.max_memory_per_worker else None
-                ),
-                shm_threshold=args.shm_threshold * 1024 if args.shm_threshold > 0 else None,
-            )
+            return _supervisor(parser, args, socket_path)
         if args.command == "status":
             return asyncio.run(_status(socket_path))
         if args.command == "sql":
             return asyncio.run(_sql(socket_path, args.text))
+        if args.command == "cancel":
+            if (args.key is None) == (args.request_id is None):
+                parser.error("cancel takes a KEY or --request-id ID")
+            return asyncio.run(_cancel(socket_path, args.key, args.prefix, args.request_id))
     except QueueError as exc:
         print(f"queryqueue: {exc}", file=sys.stderr)
         return 1
@@ -125,6 +193,42 @@ def main(argv: list[str] | None = None) -> int:
         rows=args.rows,
         clients=args.clients,
         users=args.users,
+    )
+
+
+def _supervisor(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, socket_path: Path
+) -> int:
+    from queryqueue.supervisor.app import AppNotFoundError, load_app
+    from queryqueue.supervisor.process import run
+
+    if args.db is None and args.store is None:
+        parser.error(f"the supervisor needs --db FILE or --store URL (or ${DB_ENV})")
+    workers = args.workers if args.workers is not None else (2 if args.app else 0)
+    if (args.app is None) != (workers == 0):
+        parser.error("--app and --workers go together")
+    if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
+        parser.error("--store takes a postgresql:// URL")
+    if args.app is not None:
+        try:  # here, so a typo is one line and not a worker's traceback
+            load_app(args.app)
+        except AppNotFoundError as exc:
+            print(f"queryqueue: {exc}", file=sys.stderr)
+            return 2
+    return run(
+        args.store or args.db,
+        socket_path,
+        schema=args.schema,
+        synchronous=args.synchronous,
+        tcp_port=args.tcp_port,
+        app=args.app,
+        workers=workers,
+        cancel_grace=args.cancel_grace,
+        max_tasks_per_worker=args.max_tasks_per_worker,
+        max_memory_per_worker=(
+            args.max_memory_per_worker * 1024 * 1024 if args.max_memory_per_worker else None
+        ),
+        shm_threshold=args.shm_threshold * 1024 if args.shm_threshold > 0 else None,
     )
 
 
@@ -151,6 +255,64 @@ async def _status(socket_path: Path) -> int:
         for name, k in stats["commands"].items()
     ]
     print(table(["command", "count", "errors", "p50 ms", "p99 ms"], kinds))
+    return 0
+
+
+async def _cancel(
+    socket_path: Path, key: str | None, prefix: str | None, request_id: str | None
+) -> int:
+    from queryqueue.engine.hashing import hash_query_key
+    from queryqueue.engine.outcome import encode_cancelled
+    from queryqueue.engine.queue import QueryQueue
+    from queryqueue.supervisor.client import SocketQueueDriver
+
+    driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
+
+    async def nobody(*_: object) -> None:
+        """The worker running it hears of the cancel from the supervisor, not from here."""
+
+    try:
+        if request_id is not None:
+            prefixes = (
+                [prefix] if prefix else [p["prefix"] for p in (await driver.stats())["prefixes"]]
+            )
+            cancelled = []
+            for name in prefixes:
+                queue = QueryQueue(
+                    name, query_handlers={}, driver=driver, send_cancel_message_fn=nobody
+                )
+                cancelled += [
+                    f"{name}:{entry['queryKeyHash']}"
+                    for entry in await queue.cancel_query_by_request_id(request_id)
+                ]
+            for path in cancelled:
+                print(f"cancelled {path}")
+            if not cancelled:
+                print(
+                    f"queryqueue: no queued or running query has request id {request_id!r}",
+                    file=sys.stderr,
+                )
+            return 0 if cancelled else 1
+        assert key is not None
+        target: int | str
+        if key.isdigit():
+            target = int(key)
+        elif prefix is None:
+            target = key  # a path: prefix:hash
+        else:
+            try:
+                query_key = orjson.loads(key)
+            except orjson.JSONDecodeError:
+                query_key = None
+            hashed = key if query_key is None else hash_query_key(query_key)
+            target = f"{prefix}:{hashed}"
+        removed = await driver.cancel(target, result=encode_cancelled())
+    finally:
+        await driver.close()
+    if removed is None:
+        print(f"queryqueue: nothing queued or running as {target!r}", file=sys.stderr)
+        return 1
+    print(f"cancelled {target}")
     return 0
 
 

@@ -20,7 +20,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import dill
 import orjson
 
 from queryqueue.engine.aio import wait_within
@@ -43,7 +42,6 @@ from queryqueue.supervisor.protocol import (
     DEFAULT_MAX_FRAME,
     FrameError,
     encode_frame,
-    encode_hand_off,
     raise_error,
     read_frame,
 )
@@ -264,15 +262,15 @@ class SocketQueueDriver:
         rows: list[dict[str, Any]] = reply.get("rows", [])
         return rows
 
-    async def dispatch(self, retrieved: RetrievedQuery) -> None:
+    async def dispatch(self, prefix: str, retrieved: RetrievedQuery) -> None:
         """Hand a retrieved query to the supervisor's worker pool; returns once accepted.
 
-        Pickled with dill (multiprocess's pickler), so closures and lambdas in the query
-        survive. Not re-sent after a lost answer: the item is active either way, and the
-        stalled path reclaims it if the hand-off never arrived.
+        Only the item's name travels: the supervisor reads the query from its own store
+        (it must be active and not held yet), so a client cannot make a worker run anything
+        but a queued query. Not re-sent after a lost answer: the item is active either
+        way, and the stalled path reclaims it if the hand-off never arrived.
         """
-        blob = dill.dumps(retrieved)
-        await self.call("dispatch", retrieved.queue_id, encode_hand_off(blob))
+        await self.call("dispatch", f"{prefix}:{retrieved.query_key_hash}", retrieved.queue_id)
 
     async def stats(self) -> dict[str, Any]:
         answer: dict[str, Any] = await self.call("stats")
@@ -402,8 +400,12 @@ class SocketQueueDriver:
         answer: QueryDefResponse | None = await self._decoded("get", key)
         return answer
 
-    async def cancel(self, key: QueueKey) -> QueryDefResponse | None:
-        answer: QueryDefResponse | None = await self._decoded("cancel", key)
+    async def cancel(self, key: QueueKey, *, result: str | None = None) -> QueryDefResponse | None:
+        answer: QueryDefResponse | None
+        if result is None:  # Cube's CANCEL, as any Cube client sends it
+            answer = await self._decoded("cancel", key)
+        else:
+            answer = await self._decoded("cancel", key, result=result)
         return answer
 
     async def heartbeat(self, key: QueueKey) -> bool:

@@ -181,7 +181,7 @@ async def _client(
     outcomes: Any,
     go: Any,
 ) -> None:
-    from queryqueue.engine.errors import ContinueWaitError, QueryError
+    from queryqueue.engine.errors import QueryCancelledError, QueryError, QueryTimeoutError
     from queryqueue.supervisor.client import SocketQueueDriver
     from queryqueue.supervisor.demo_app import app
 
@@ -224,24 +224,22 @@ async def _client(
             return outcome("ok", digest=digest(rows), rows=len(rows))
         if request.kind == "cancel":
             cancelling.add(asyncio.ensure_future(cancel_when_running(request, request_id)))
-        while True:
-            try:
-                result = await queue.execute_in_queue(
-                    "sql",
-                    [request.sql],
-                    query,
-                    request.priority,
-                    request_id=request_id,
-                    stage_query_key=[request.sql],
-                )
-            except ContinueWaitError:
-                if request.index in cancelled:
-                    return outcome("cancelled")
-                continue
-            except QueryError as exc:
-                status = "timed out" if "timeout" in str(exc).lower() else "error"
-                return outcome(status, detail=str(exc))
-            return outcome("ok", digest=digest(result), rows=len(result))
+        try:
+            result = await queue.run(
+                "sql",
+                [request.sql],
+                query,
+                priority=request.priority,
+                request_id=request_id,
+                stage_query_key=[request.sql],
+            )
+        except QueryCancelledError:
+            return outcome("cancelled" if request.index in cancelled else "error")
+        except QueryTimeoutError as exc:
+            return outcome("timed out", detail=str(exc))
+        except QueryError as exc:
+            return outcome("error", detail=str(exc))
+        return outcome("ok", digest=digest(result), rows=len(result))
 
     async def cancel_when_running(request: Request, request_id: str) -> None:
         deadline = time.monotonic() + 30

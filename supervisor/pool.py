@@ -10,8 +10,9 @@ The supervisor owns the store, so it also watches the executions it handed out:
   through the store (CANCEL, then the app's cancel handler), not a heartbeat timeout
   later: waiting callers get ContinueWaitError and, on retry, a fresh execution.
 
-Workers are `multiprocess` processes (dill pickling: closures and lambdas survive); each
-runs `QueryQueue.execute_query` with its own connection to the supervisor.
+Workers are spawned `multiprocess` processes; each runs `QueryQueue.execute_query` with
+its own connection to the supervisor. A hand-off reaches a worker as JSON over its pipe,
+never as a pickle: it is the query as the store holds it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import contextlib
 import inspect
 import logging
 import os
-import pickle
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,18 +33,24 @@ import psutil
 
 from queryqueue.engine.driver import LocalQueueDriver
 from queryqueue.engine.queue import QueryQueue
-from queryqueue.engine.responses import QueueId
+from queryqueue.engine.responses import QueueId, QueueKey
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
+from queryqueue.supervisor.protocol import decode_retrieved, encode_retrieved
 from queryqueue.supervisor.shm import DEFAULT_THRESHOLD
 
 _log = logging.getLogger("queryqueue.pool")
+
+# Messages to a worker over its pipe, by their first byte; an empty one asks it to exit.
+_JOB = b"J"
+_CANCEL = b"C"
 
 
 @dataclass(eq=False)
 class _Job:
     queue_id: QueueId
-    blob: bytes
+    path: str
+    blob: bytes  # the RetrievedQuery as the worker reads it (protocol.encode_retrieved)
     removed_at: float | None = None  # when the supervisor saw the item gone from the queue
     abandoned: bool = False
 
@@ -128,7 +134,7 @@ class WorkerPool:
             self._heartbeats.cancel()
             await asyncio.gather(self._heartbeats, return_exceptions=True)
         if self.queue is not None:
-            await self.queue.shutdown(grace=0)
+            await self.queue.close(grace=0)
         for worker in self._workers:
             self._unwatch(worker)
             with contextlib.suppress(OSError, ValueError):
@@ -210,20 +216,44 @@ class WorkerPool:
             task.add_done_callback(self._cancelling.discard)
 
     async def _hand_off(self, retrieved: RetrievedQuery) -> None:
+        assert self.queue is not None
+        self.submit(self.queue.prefix, retrieved)
+
+    def submit(self, prefix: str, retrieved: RetrievedQuery) -> None:
+        """Accept a hand-off: it runs on the next idle worker."""
         # The pool's queue never sees other processes' stream items: the store hides
         # EXCLUSIVE items from other process ids.
-        assert not retrieved.persistent, "a stream item reached the pool"
-        # Read from the store, it holds only JSON data: the C pickler does (dill, which
-        # workers load with, reads its output; it is what request processes send).
-        self.submit(retrieved.queue_id, pickle.dumps(retrieved, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def submit(self, queue_id: QueueId, blob: bytes) -> None:
-        """Accept a hand-off: it runs on the next idle worker."""
+        if retrieved.persistent:
+            raise RuntimeError("a stream query runs in the process that asked for it")
         if self._stopping:
             raise RuntimeError("the worker pool is stopping")
-        self._backlog.append(_Job(queue_id, blob))
+        if self._job(retrieved.queue_id) is not None:
+            raise RuntimeError(f"queue item {retrieved.queue_id} is handed off already")
+        path = f"{prefix}:{retrieved.query_key_hash}"
+        self._backlog.append(_Job(retrieved.queue_id, path, _JOB + encode_retrieved(retrieved)))
         self.handed_off += 1
         self._assign()
+
+    def _job(self, key: QueueKey) -> _Job | None:
+        for job in self._backlog:
+            if key in (job.queue_id, job.path):
+                return job
+        for worker in self._workers:
+            if worker.job is not None and key in (worker.job.queue_id, worker.job.path):
+                return worker.job
+        return None
+
+    def removed(self, key: QueueKey) -> None:
+        """The item was cancelled: a worker running it hears of it now (its cancel handler
+        runs within a loop turn there, not a heartbeat later); a waiting one never starts."""
+        for job in list(self._backlog):
+            if key in (job.queue_id, job.path):
+                self._backlog.remove(job)
+        for worker in self._workers:
+            held = worker.job
+            if held is not None and key in (held.queue_id, held.path):
+                with contextlib.suppress(OSError, ValueError):
+                    worker.conn.send_bytes(_CANCEL + orjson.dumps(held.queue_id))
 
     def _assign(self) -> None:
         for worker in self._workers:
@@ -343,10 +373,11 @@ class WorkerPool:
                 continue
             if self._heartbeat(job.queue_id):
                 continue
-            # Removed from the queue: the worker's own heartbeat calls the cancel handler;
+            # Removed from the queue: the worker is told (its cancel handler runs there);
             # if the query has not stopped within the grace period, the process goes.
             if job.removed_at is None:
                 job.removed_at = loop_time
+                self.removed(job.queue_id)
             elif loop_time - job.removed_at >= self.cancel_grace:
                 _log.warning(
                     "worker %s ignored the cancellation of %s: terminated",
@@ -389,6 +420,9 @@ def worker_main(app_ref: str, socket_path: str, conn: Any, shm_threshold: int | 
     import signal
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <worker>` prints where it is
+    # Ctrl-C reaches the whole process group: the supervisor stops its workers itself, so
+    # a worker neither dies mid-query nor prints a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"worker {os.getpid()}: %(message)s")
     asyncio.run(_worker_loop(app_ref, socket_path, conn, shm_threshold))
 
@@ -396,8 +430,6 @@ def worker_main(app_ref: str, socket_path: str, conn: Any, shm_threshold: int | 
 async def _worker_loop(
     app_ref: str, socket_path: str, conn: Any, shm_threshold: int | None
 ) -> None:
-    import dill
-
     from queryqueue.supervisor.app import load_app
     from queryqueue.supervisor.client import SocketQueueDriver
 
@@ -409,9 +441,13 @@ async def _worker_loop(
 
     def readable() -> None:
         try:
-            arrived.put_nowait(conn.recv_bytes())
+            message = conn.recv_bytes()
         except (EOFError, OSError):
-            arrived.put_nowait(b"")
+            message = b""
+        if message.startswith(_CANCEL):
+            queue.cancel_execution(orjson.loads(message[1:]))
+        else:
+            arrived.put_nowait(message)
 
     loop.add_reader(conn.fileno(), readable)
     try:
@@ -419,7 +455,7 @@ async def _worker_loop(
             blob = await arrived.get()
             if not blob:
                 break
-            await queue.execute_query(dill.loads(blob))
+            await queue.execute_query(decode_retrieved(blob[1:]))
             if queue.handler_threads:
                 # A cancelled or timed-out sync handler is still running: take no more work;
                 # the pool terminates this process unless the thread ends within the grace.
@@ -428,5 +464,5 @@ async def _worker_loop(
             conn.send_bytes(b"done")
     finally:
         loop.remove_reader(conn.fileno())
-        await queue.shutdown(grace=0)
+        await queue.close(grace=0)
         await driver.close()

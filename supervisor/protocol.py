@@ -14,7 +14,6 @@ Requests may be pipelined and are answered in any order (match replies by `id`).
 from __future__ import annotations
 
 import asyncio
-import base64
 import struct
 from dataclasses import fields, is_dataclass
 from enum import Enum
@@ -34,6 +33,7 @@ from queryqueue.engine.responses import (
     RetrieveResponse,
     ToCancelResponse,
 )
+from queryqueue.engine.retrieved import RetrievedQuery
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 256 * 1024 * 1024
@@ -73,13 +73,23 @@ def _default(value: Any) -> Any:
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 
-def encode_hand_off(blob: bytes) -> str:
-    """A pickled RetrievedQuery as JSON text (the `dispatch` command)."""
-    return base64.b64encode(blob).decode("ascii")
+def encode_retrieved(retrieved: RetrievedQuery) -> bytes:
+    """A hand-off to a worker, as JSON: plain data both ways, so nothing a worker is sent
+    can make it run code of the sender's choosing (no pickle)."""
+    return orjson.dumps(
+        [
+            retrieved.query_key_hash,
+            retrieved.queue_id,
+            retrieved.processing_id,
+            retrieved.queue_size,
+            retrieved.query,
+        ]
+    )
 
 
-def decode_hand_off(text: str) -> bytes:
-    return base64.b64decode(text.encode("ascii"), validate=True)
+def decode_retrieved(blob: bytes) -> RetrievedQuery:
+    query_key_hash, queue_id, processing_id, queue_size, query = orjson.loads(blob)
+    return RetrievedQuery(query_key_hash, queue_id, processing_id, queue_size, query)
 
 
 def error_payload(exc: BaseException) -> dict[str, str]:

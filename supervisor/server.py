@@ -22,15 +22,16 @@ from typing import Any
 
 import orjson
 
+from queryqueue.engine.connection import decode_def
 from queryqueue.engine.errors import InvalidCommandError, QueueError, StoreError
+from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QUEUE_COMMANDS, QueueStore
-from queryqueue.engine.validation import check_process_id
+from queryqueue.engine.validation import check_key, check_process_id
 from queryqueue.supervisor import sqltext
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
     DEFAULT_MAX_FRAME,
     FrameError,
-    decode_hand_off,
     encode_frame,
     error_payload,
     read_frame,
@@ -391,20 +392,31 @@ class QueueServer:
         return _Request(connection, request_id, method, args, kwargs, rows, received)
 
     def _dispatch(self, args: list[Any]) -> None:
+        """A client's fast track retrieved an item: run it in the pool. Only the item's
+        name is taken; what runs is the query as this store holds it, and only if it is
+        active and not already handed off."""
         if self.pool is None:
             raise InvalidCommandError(
                 "dispatch: this supervisor has no worker pool (start it with --app and --workers)"
             )
-        if len(args) != 2 or not isinstance(args[0], int) or not isinstance(args[1], str):
-            raise InvalidCommandError(
-                "dispatch: takes a queue id and a base64 pickled RetrievedQuery"
-            )
+        if (
+            len(args) != 2
+            or not isinstance(args[0], str)
+            or not isinstance(args[1], int)
+            or isinstance(args[1], bool)
+        ):
+            raise InvalidCommandError("dispatch: takes an item's path and its queue id")
+        path, queue_id = args
+        check_key(path)
+        check_key(queue_id)
+        prefix, _, query_key_hash = path.rpartition(":")
+        if not any(row.queue_id == queue_id for row in self.store.active(prefix)):
+            raise InvalidCommandError(f"dispatch: {path} ({queue_id}) is not an active item")
+        query = decode_def(self.store.get(queue_id))
+        if query is None:
+            raise InvalidCommandError(f"dispatch: {path} ({queue_id}) is not an active item")
         try:
-            blob = decode_hand_off(args[1])
-        except (ValueError, UnicodeEncodeError):
-            raise InvalidCommandError("dispatch: the hand-off is not base64") from None
-        try:
-            self.pool.submit(args[0], blob)
+            self.pool.submit(prefix, RetrievedQuery(query_key_hash, queue_id, queue_id, 0, query))
         except RuntimeError as exc:
             raise InvalidCommandError(f"dispatch: {exc}") from None
 
@@ -462,6 +474,8 @@ class QueueServer:
     def _answer(self, request: _Request, ok: bool, answer: Any) -> None:
         if ok and request.method in _POKES and self.pool is not None:
             self.pool.poke(freed=request.method in ("ack", "cancel"))
+            if request.method == "cancel" and answer is not None and request.args:
+                self.pool.removed(request.args[0])  # its worker hears of it now
         if ok and request.method == "ack" and len(request.args) == 2:
             self.segments.acked(request.args[1], bool(answer.success))
         elif ok and answer is not None and request.method in ("result", "result_blocking"):

@@ -15,7 +15,14 @@ import pytest
 from queryqueue.driver_sqlite.store import SqliteQueueStore
 from queryqueue.engine import events as ev
 from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
-from queryqueue.engine.errors import ContinueWaitError, InvalidCommandError, QueryError
+from queryqueue.engine.errors import (
+    ContinueWaitError,
+    InvalidCommandError,
+    QueryCancelledError,
+    QueryError,
+    QueryTimeoutError,
+    QueueClosedError,
+)
 from queryqueue.engine.memory_store import MemoryQueueStore
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.responses import ListResponse
@@ -423,9 +430,11 @@ async def test_manual_cancel_calls_cancel_handler_and_stops_the_query(
     await wait_until(lambda: rec.running == 0 and len(rec.cancelled) == 1)
     assert rec.cancelled[0]["query"] == "to-cancel"
     assert rec.named(ev.CANCELLING_MANUAL)
-    with pytest.raises(ContinueWaitError):
+    # The waiter learns of the cancellation: no continue-wait whose retry would run it again.
+    with pytest.raises(QueryCancelledError, match="cancelled"):
         await caller
     assert await _items(queue) == []
+    assert len(rec.calls) == 1
     rec.gate.set()
     assert await _retry(queue, "to-cancel") == {"echo": "to-cancel"}
     assert len(rec.calls) == 2
@@ -463,7 +472,10 @@ async def test_external_cancellation_is_noticed_once_on_the_heartbeat(
     caller = asyncio.create_task(runner.execute_in_queue("sql", "ext", "ext"))
     await wait_until(lambda: rec.running == 1)
     # Removed by someone else: the runner learns only through its heartbeat.
-    assert await other_process.connection.cancel_query(runner.redis_hash("ext"), None) is not None
+    assert (
+        await other_process.connection.get_query_and_remove(runner.redis_hash("ext"), None)
+        is not None
+    )
     await wait_until(lambda: len(rec.named(ev.CANCELLING_EXTERNAL)) == 1)
     await wait_until(lambda: rec.running == 0)
     # The execution ends (its heartbeat with it) without firing the cancellation again.
@@ -727,3 +739,92 @@ async def test_a_waiting_stream_owner_retrieves_its_item_once_a_slot_frees(
     await busy  # the other process's ACK and reconcile cannot take the owner's item...
     stream = await asyncio.wait_for(waiting, 10)  # ...the owner, still waiting, does
     assert await stream.rows() == ["row"]
+
+
+# -- run(): the call that waits; cancellation and errors callers can see ---------------------
+
+
+async def test_run_waits_across_long_polls_for_the_same_item(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(
+        query_handlers={"sql": rec.gated}, continue_wait_timeout=0.05, logger=rec.log
+    )
+    caller = asyncio.create_task(queue.run("sql", "slow", "slow"))
+    # Three long polls end while it runs; run() polls again instead of raising.
+    await wait_until(lambda: len(rec.named(ev.WAITING_FOR_QUERY)) >= 3)
+    assert not caller.done()
+    rec.gate.set()
+    assert await caller == {"echo": "slow"}
+    assert rec.calls == ["slow"]
+    assert len({fields["queueId"] for fields in rec.named(ev.WAITING_FOR_QUERY)}) == 1
+    assert await _items(queue) == []
+
+
+async def test_run_raises_query_timeout_at_the_callers_deadline_and_the_query_goes_on(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.gated}, continue_wait_timeout=5.0)
+    with pytest.raises(QueryTimeoutError, match=r"within 0\.2 s"):
+        await queue.run("sql", "late", "late", timeout=0.2)
+    assert rec.running == 1  # still running, for whoever else waits for it
+    rec.gate.set()
+    await wait_until(lambda: _no_items(queue), what="the execution acknowledged")
+    # Its result waited for the next caller: nobody took it when the deadline passed.
+    assert await queue.run("sql", "late", "late") == {"echo": "late"}
+    assert rec.calls == ["late"]
+    with pytest.raises(InvalidCommandError, match="timeout must be positive"):
+        await queue.run("sql", "late", "late", timeout=0)
+
+
+async def _no_items(queue: QueryQueue) -> bool:
+    return await _items(queue) == []
+
+
+async def test_every_waiter_of_a_cancelled_query_gets_query_cancelled(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(
+        query_handlers={"sql": rec.gated},
+        cancel_handlers={"sql": rec.cancel},
+        continue_wait_timeout=0.1,
+    )
+    waiters = [asyncio.create_task(queue.run("sql", "doomed", "doomed")) for _ in range(3)]
+    await wait_until(lambda: rec.running == 1)
+    assert await queue.cancel_query(queue.redis_hash("doomed")) is True
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    assert [type(o) for o in outcomes] == [QueryCancelledError] * 3
+    assert rec.calls == ["doomed"]  # nobody's retry ran it again
+    await wait_until(lambda: rec.running == 0 and len(rec.cancelled) == 1)
+    # Nothing left to cancel: said so.
+    assert await queue.cancel_query(queue.redis_hash("doomed")) is False
+
+
+async def test_a_handler_error_reaches_the_caller_with_its_type_and_traceback(
+    make_queue: MakeQueue,
+) -> None:
+    async def broken(query: Any, set_cancel_handler: Any) -> Any:
+        return {"ratio": 1 / query}
+
+    queue = make_queue(query_handlers={"sql": broken})
+    with pytest.raises(QueryError) as raised:
+        await queue.run("sql", "zero", 0)
+    assert type(raised.value) is QueryError
+    assert str(raised.value) == "division by zero"
+    assert raised.value.error_type == "ZeroDivisionError"
+    assert raised.value.remote_traceback is not None
+    assert "in broken" in raised.value.remote_traceback
+    assert "ZeroDivisionError: division by zero" in raised.value.remote_traceback
+
+
+async def test_shutdown_keeps_the_queue_usable_and_close_refuses_new_work(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    queue = make_queue(query_handlers={"sql": rec.instant}, fast_track=False)
+    await queue.shutdown()
+    # As in Cube: after shutdown the queue still reconciles, so queued work runs.
+    assert await queue.run("sql", "after", "after") == {"echo": "after"}
+    await queue.close()
+    with pytest.raises(QueueClosedError, match="closed"):
+        await queue.run("sql", "later", "later")
+    assert rec.calls == ["after"]

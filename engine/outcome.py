@@ -1,0 +1,73 @@
+"""A query's outcome as the JSON text its ACK stores, and back again.
+
+Cube's shapes, `{"result": value}` and `{"error": message}`, so Cube clients read ours; an
+error also carries `errorType` (the handler's exception class) and `stack` (its traceback
+text), so a caller in another process raises the family the handler raised and can see
+where. A cancelled query's outcome is an error of type `QueryCancelledError`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import orjson
+
+from queryqueue.engine.errors import QueryCancelledError, QueryError, QueryTimeoutError
+
+CANCELLED_MESSAGE = "Query was cancelled"
+# The families a caller raises by name; any other handler error is a QueryError naming it.
+_FAMILIES: dict[str, type[QueryError]] = {
+    "QueryCancelledError": QueryCancelledError,
+    "QueryTimeoutError": QueryTimeoutError,
+}
+
+
+def encode_result(value: Any) -> str:
+    # Encoded once, here: a result of 100 MiB is not serialized twice.
+    try:
+        return orjson.dumps({"result": value}).decode()
+    except TypeError as exc:
+        raise QueryError(f"query result is not JSON serializable: {exc}") from None
+
+
+def encode_error(exc: BaseException) -> str:
+    stack = exc.remote_traceback if isinstance(exc, QueryError) else None
+    return orjson.dumps(
+        {
+            "error": str(exc) or type(exc).__name__,
+            "errorType": _type_name(exc),
+            "stack": stack or "".join(traceback.format_exception(exc)),
+        }
+    ).decode()
+
+
+def encode_cancelled() -> str:
+    return orjson.dumps(
+        {"error": CANCELLED_MESSAGE, "errorType": "QueryCancelledError", "cancelled": True}
+    ).decode()
+
+
+def parse_result(result: Any) -> Any:
+    """The value of a decoded outcome; an error outcome raises its family."""
+    if isinstance(result, dict):
+        if "error" in result:
+            error_type = result.get("errorType")
+            family = (
+                _FAMILIES.get(error_type, QueryError) if isinstance(error_type, str) else QueryError
+            )
+            stack = result.get("stack")
+            raise family(
+                str(result["error"]),
+                error_type=error_type if isinstance(error_type, str) else None,
+                remote_traceback=stack if isinstance(stack, str) else None,
+            )
+        if "result" in result:
+            return result["result"]
+    return None
+
+
+def _type_name(exc: BaseException) -> str:
+    if isinstance(exc, QueryError) and exc.error_type and type(exc) is QueryError:
+        return exc.error_type
+    return type(exc).__name__
