@@ -23,6 +23,7 @@ from queryqueue.engine.responses import (
     RetrieveResponse,
     ToCancelResponse,
 )
+from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 
 
@@ -106,6 +107,11 @@ class QueueDriver(Protocol):
 
     async def stats(self) -> dict[str, Any]:
         """What the store holds and who waits on it (see `QueueStore.describe`)."""
+        ...
+
+    async def hand_off(self, prefix: str, retrieved: RetrievedQuery) -> bool:
+        """Run a retrieved query elsewhere (a supervisor's worker pool) if this driver can:
+        True once it is accepted there; False and the caller's process runs it."""
         ...
 
     async def close(self) -> None: ...
@@ -233,6 +239,9 @@ class LocalQueueDriver:
 
     async def stats(self) -> dict[str, Any]:
         return self.store.describe()
+
+    async def hand_off(self, prefix: str, retrieved: RetrievedQuery) -> bool:
+        return False  # no pool behind a store in this process
 
     async def close(self) -> None:
         """The store belongs to whoever made it: it is not closed here."""

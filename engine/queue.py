@@ -528,6 +528,10 @@ class QueryQueue:
             )
 
     async def _execute_in_background(self, retrieved: RetrievedQuery) -> None:
+        # A supervisor with a pool for this prefix runs it there: a web process asking at
+        # priority 10 (the fast track retrieves in the asking process) runs nothing itself.
+        if await self.driver.hand_off(self.prefix, retrieved):
+            return
         self._spawn(self.execute_query(retrieved))
 
     async def _cancel_in_background(self, query_def: QueryDef, queue_id: QueueId | None) -> None:

@@ -29,7 +29,6 @@ from queryqueue.engine.handlers import (
     StreamHandler,
 )
 from queryqueue.engine.queue import QueryQueue
-from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.sync import SyncQueryQueue
 from queryqueue.supervisor.client import SocketQueueDriver
@@ -88,15 +87,13 @@ class QueueApp:
         )
 
     def pool_queue(self, driver: SocketQueueDriver, **overrides: Any) -> QueryQueue:
-        """A queue on the supervisor whose executions are handed to its worker pool.
+        """A queue on the supervisor whose executions are handed to its worker pool (the
+        driver's `hand_off`; streams stay here, where their stream lives).
 
         The supervisor reconciles for its pool (after every ADD and ACK, in process, next
         to the store), so this process reconciles only for its own stream items."""
-        dispatch = PoolDispatch(driver)
         overrides.setdefault("reconcile", False)
-        queue = self.make_queue(driver, send_process_message_fn=dispatch, **overrides)
-        dispatch.queue = queue
-        return queue
+        return self.make_queue(driver, **overrides)
 
     def client_queue(self) -> QueryQueue:
         """This process's queue on the supervisor, with executions handed to its pool."""
@@ -217,22 +214,3 @@ def load_app(reference: str) -> QueueApp:
             f"--app {reference}: {module_name}.{attribute} is {found}, not a QueueApp"
         )
     return app
-
-
-class PoolDispatch:
-    """`send_process_message_fn` for processes whose queries run in the supervisor's pool.
-
-    Resolves once the supervisor has accepted the hand-off. Stream queries never leave this
-    process: their stream lives here, so they run here.
-    """
-
-    def __init__(self, driver: SocketQueueDriver) -> None:
-        self.driver = driver
-        self.queue: QueryQueue | None = None  # the queue that retrieves: set by pool_queue
-
-    async def __call__(self, retrieved: RetrievedQuery) -> None:
-        assert self.queue is not None, "PoolDispatch is made by QueueApp.pool_queue"
-        if retrieved.persistent:
-            self.queue._spawn(self.queue.execute_query(retrieved))
-            return
-        await self.driver.dispatch(self.queue.prefix, retrieved)

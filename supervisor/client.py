@@ -163,6 +163,8 @@ class SocketQueueDriver:
         self._connecting: asyncio.Lock | None = None
         self.reconnects = 0
         self._closed = False
+        # Prefixes the supervisor's worker pool runs (its hello says so on every connect).
+        self.pool_prefixes: frozenset[str] = frozenset()
 
     # -- connection --------------------------------------------------------------------------
 
@@ -208,10 +210,10 @@ class SocketQueueDriver:
         link = _Link(reader, writer, self.max_frame)
         if was_connected:
             self.reconnects += 1
-        if self.process_id is not None:
-            await self._exchange(
-                link, {"cmd": "hello", "kwargs": {"process_id": self.process_id}}, None
-            )
+        hello = {} if self.process_id is None else {"process_id": self.process_id}
+        reply = await self._exchange(link, {"cmd": "hello", "kwargs": hello}, None)
+        if "ok" in reply:
+            self.pool_prefixes = frozenset(reply["ok"].get("pool", ()))
         return link
 
     async def _exchange(
@@ -261,6 +263,16 @@ class SocketQueueDriver:
             raise_error(reply["error"])
         rows: list[dict[str, Any]] = reply.get("rows", [])
         return rows
+
+    async def hand_off(self, prefix: str, retrieved: RetrievedQuery) -> bool:
+        """Give a retrieved query to the supervisor's pool, if it runs this prefix's."""
+        if retrieved.persistent:  # a stream lives in the process that asked for it
+            return False
+        await self._connected()
+        if prefix not in self.pool_prefixes:
+            return False
+        await self.dispatch(prefix, retrieved)
+        return True
 
     async def dispatch(self, prefix: str, retrieved: RetrievedQuery) -> None:
         """Hand a retrieved query to the supervisor's worker pool; returns once accepted.

@@ -149,6 +149,11 @@ class WorkerPool:
         self._workers.clear()
 
     @property
+    def prefix(self) -> str | None:
+        """The prefix of the app whose queries this pool runs (known once started)."""
+        return self.queue.prefix if self.queue is not None else None
+
+    @property
     def held(self) -> int:
         """Items handed to this pool and not finished: waiting or running."""
         return len(self._backlog) + sum(1 for w in self._workers if w.job is not None)

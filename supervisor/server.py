@@ -351,13 +351,17 @@ class QueueServer:
             if not isinstance(args, list) or not isinstance(kwargs, dict):
                 raise InvalidCommandError(f"{method}: 'args' must be a list and 'kwargs' an object")
             if method == "hello":
-                try:  # the store's own rule for process ids
-                    connection.process_id = check_process_id(kwargs.get("process_id"))
-                except InvalidCommandError:
-                    raise InvalidCommandError(
-                        "hello: process_id must be a string of 1 to 96 characters"
-                    ) from None
-                connection.send({"id": request_id, "ok": {"pid": os.getpid()}})
+                if kwargs.get("process_id") is not None:
+                    try:  # the store's own rule for process ids
+                        connection.process_id = check_process_id(kwargs["process_id"])
+                    except InvalidCommandError:
+                        raise InvalidCommandError(
+                            "hello: process_id must be a string of 1 to 96 characters"
+                        ) from None
+                # The prefixes whose queries this supervisor's pool runs: a client hands
+                # those off instead of running them itself.
+                pool = [self.pool.prefix] if self.pool is not None and self.pool.prefix else []
+                connection.send({"id": request_id, "ok": {"pid": os.getpid(), "pool": pool}})
                 return None
             if method == "ping":
                 connection.send({"id": request_id, "ok": "pong"})

@@ -77,6 +77,14 @@ CALLER = textwrap.dedent(
             "low": outcome(lambda: app.run_sync("echo", "k1", {"x": 1})),
             "urgent": outcome(lambda: app.run_sync("echo", "k2", {"x": 2}, priority=10)),
         }))
+    elif mode == "hand-built":
+        from queryqueue import SocketQueueDriver, SyncQueryQueue
+        with SyncQueryQueue("mymod", query_handlers=app.query_handlers,
+                            driver=SocketQueueDriver()) as queue:
+            print(json.dumps({
+                "pid": os.getpid(),
+                "urgent": outcome(lambda: queue.run("echo", "k3", {"x": 3}, priority=10)),
+            }))
     elif mode == "divide":
         print(json.dumps(outcome(lambda: app.run_sync("divide", "d", {"a": 1, "b": 0}))))
     elif mode == "slow":
@@ -180,6 +188,16 @@ def test_the_app_resolves_from_the_working_directory_and_run_sync_uses_the_pool(
     assert low["query"] == {"x": 1} and urgent["query"] == {"x": 2}
     # Nothing runs in the calling process, whatever the priority (10 is the fast track).
     assert low["pid"] != answer["pid"] and urgent["pid"] != answer["pid"]
+
+
+def test_a_hand_built_sync_queue_on_the_socket_hands_urgent_work_to_the_pool(
+    project: Project,
+) -> None:
+    answer = project.call("hand-built")
+    assert isinstance(answer, dict)
+    urgent = answer["urgent"]["ok"]
+    assert urgent["query"] == {"x": 3}
+    assert urgent["pid"] != answer["pid"]  # the fast track retrieved it here; the pool ran it
 
 
 def test_a_handler_error_arrives_with_its_type_and_traceback_and_is_logged_once(
