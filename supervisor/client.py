@@ -196,9 +196,18 @@ class SocketQueueDriver:
         deadline = loop.time() + self.reconnect_timeout
         delay = 0.01
         was_connected = self._link is not None
+        hello = {} if self.process_id is None else {"process_id": self.process_id}
         while True:
             try:
                 reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+                link = _Link(reader, writer, self.max_frame)
+                try:
+                    reply = await self._exchange(
+                        link, {"cmd": "hello", "kwargs": hello}, self.request_timeout
+                    )
+                except _ConnectionLost:  # it went away right after accepting: try again
+                    link.close()
+                    raise ConnectionResetError("the supervisor hung up during hello") from None
                 break
             except OSError as exc:
                 if loop.time() + delay > deadline:
@@ -207,13 +216,11 @@ class SocketQueueDriver:
                     ) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
-        link = _Link(reader, writer, self.max_frame)
         if was_connected:
             self.reconnects += 1
-        hello = {} if self.process_id is None else {"process_id": self.process_id}
-        reply = await self._exchange(link, {"cmd": "hello", "kwargs": hello}, None)
-        if "ok" in reply:
-            self.pool_prefixes = frozenset(reply["ok"].get("pool", ()))
+        if "error" in reply:
+            raise_error(reply["error"])
+        self.pool_prefixes = frozenset(reply["ok"].get("pool", ()))
         return link
 
     async def _exchange(
