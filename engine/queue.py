@@ -431,13 +431,15 @@ class QueryQueue:
         await asyncio.shield(self._reconcile_task)
 
     async def _reconcile_loop(self) -> None:
+        # Cube clears the flag only when it creates a run: calls that arrive after the run
+        # was created (even before it started) cause exactly one more.
         try:
             while True:
-                self._reconcile_again = False
                 await self._reconcile_queue_impl()
                 self.reconcile_runs += 1
                 if not self._reconcile_again:
                     return
+                self._reconcile_again = False
         finally:
             self._reconcile_task = None
 
@@ -839,8 +841,11 @@ class QueryQueue:
                     query_def = await conn.get_query_def(query_key_hash, queue_id)
                     if query_def is None:
                         continue
+                    # Cube's shape: `queryKey` is the hash, so cancel_query(entry["queryKey"])
+                    # cancels the entry (the caller's key is in the item's payload only).
                     merged[query_key_hash] = {
                         **query_def,
+                        "queryKey": query_key_hash,
                         "queryKeyHash": query_key_hash,
                         "queueId": queue_id,
                         "status": [],

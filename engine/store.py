@@ -16,7 +16,8 @@ Semantics are Cube Store's (`cube-queue-spec.md` section 10) with these delibera
 * a re-ADD of a pending item that has its own orphan deadline extends the deadline to the
   later of the two (Cube Store keeps the first, which reaps queries that callers still poll);
 * results live `result_ttl_ms` (5 minutes by default); RESULT by path consumes once, by id
-  or external id reads many; RESULT_BLOCKING wakes every waiter of the item on ACK;
+  or external id reads many and leaves the by-path result in place (Cube Store's rule);
+  RESULT_BLOCKING wakes every waiter of the item on ACK;
 * active items never expire silently: stalled ones leave only through TO_CANCEL / CANCEL.
 
 Every command is one atomic transaction; bad input raises `InvalidCommandError` before
@@ -526,13 +527,11 @@ class QueueStore(ABC):
         if external_id is not None:
             found = tx.latest_result_by_external_id(external_id, now)
             if found is not None:
-                if not found.deleted:
-                    tx.mark_result_deleted(found.id)
+                # Read-many, as in Cube Store: the by-path result stays for its reader.
                 return _result_response(found)
         if isinstance(key, int):
             found = tx.result_by_id(key, now)
-            if found is None:
-                return None
+            return None if found is None else _result_response(found)
         else:
             found = tx.latest_result_by_path(key, now)
             if found is None:
@@ -546,9 +545,6 @@ class QueueStore(ABC):
                 return None
             tx.mark_result_deleted(found.id, consumer)
             return _result_response(found)
-        if not found.deleted:
-            tx.mark_result_deleted(found.id)
-        return _result_response(found)
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         """QUEUE RESULT_BLOCKING timeout key: RESULT, or wait up to `timeout_ms` for the ACK.

@@ -665,8 +665,14 @@ async def test_get_query_stage_reports_executing_and_position(
         ("second", ["toProcess"]),
         ("third", ["toProcess"]),
     ]
+    # Cube's entries name the hash as `queryKey`: the idiom below cancels that query.
+    third = next(q for q in queries if q["query"] == "third")
+    assert third["queryKey"] == queue.redis_hash("third")
+    assert await queue.cancel_query(third["queryKey"]) is True
+    with pytest.raises(QueryCancelledError):
+        await calls[2]
     rec.gate.set()
-    await asyncio.gather(*calls)
+    await asyncio.gather(*calls[:2])
 
 
 async def test_events_reach_python_logging(
@@ -828,3 +834,22 @@ async def test_shutdown_keeps_the_queue_usable_and_close_refuses_new_work(
     with pytest.raises(QueueClosedError, match="closed"):
         await queue.run("sql", "later", "later")
     assert rec.calls == ["after"]
+
+
+async def test_reconcile_calls_made_before_the_run_started_still_cause_one_more(
+    make_queue: MakeQueue,
+) -> None:
+    queue = make_queue()
+    runs = 0
+    original = queue._reconcile_queue_impl
+
+    async def counted() -> None:
+        nonlocal runs
+        runs += 1
+        await original()
+
+    queue._reconcile_queue_impl = counted  # type: ignore[method-assign]
+    # Ten calls in one loop turn: the first creates the run, the other nine arrive before
+    # it has started. Cube: exactly one more run, not none.
+    await asyncio.gather(*(queue.reconcile_queue() for _ in range(10)))
+    assert runs == 2

@@ -312,11 +312,17 @@ def test_a_path_read_named_by_a_consumer_token_can_be_repeated(store: QueueStore
         store.result(path("a"), consumer="")
 
 
-def test_result_by_id_marks_the_path_result_consumed(store: QueueStore) -> None:
-    qid = store.add(path("a"), payload()).id
+def test_result_by_id_or_external_id_leaves_the_path_result_in_place(store: QueueStore) -> None:
+    # Cube Store: reads by queue id and by external id are read-many; only a read by path
+    # consumes the result.
+    qid = store.add(path("a"), payload(), external_id="req-1").id
     store.ack(qid, payload(r=1))
     assert store.result(qid) is not None
+    assert store.result(path("b"), external_id="req-1") is not None
+    got = store.result(path("a"))
+    assert got is not None and got.payload == payload(r=1)
     assert store.result(path("a")) is None
+    assert store.result(qid) is not None
 
 
 def test_result_by_external_id_reads_many(store: QueueStore) -> None:
