@@ -7,10 +7,8 @@ from typing import Any
 
 import pytest
 
-from queryqueue.driver_sqlite.store import SqliteQueueStore
+from queryqueue import MemoryQueueStore, QueueStore, SqliteQueueStore
 from queryqueue.engine.clock import ManualClock
-from queryqueue.engine.memory_store import MemoryQueueStore
-from queryqueue.engine.store import QueueStore
 from tests.postgres_util import postgres_store
 from tests.supervisor_util import socket_dir
 

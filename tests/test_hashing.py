@@ -6,7 +6,8 @@ import hashlib
 
 import pytest
 
-from queryqueue.engine.hashing import hash_query_key, js_json_stringify
+from queryqueue import hash_query_key
+from queryqueue.engine.hashing import js_json_stringify
 
 
 def test_string_key_matches_cube_store_driver() -> None:

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from queryqueue.engine.errors import ContinueWaitError, StoreError
-from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue import ContinueWaitError, SocketQueueDriver, StoreError
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.postgres_util import URL, drop_schema, fresh_schema, require_postgres
 from tests.supervisor_util import REPO

@@ -12,25 +12,26 @@ from typing import Any
 
 import pytest
 
-from queryqueue.driver_sqlite.store import SqliteQueueStore
-from queryqueue.engine import events as ev
-from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
-from queryqueue.engine.errors import (
+from queryqueue import (
     ContinueWaitError,
     InvalidCommandError,
+    LocalQueueDriver,
+    MemoryQueueStore,
     QueryCancelledError,
     QueryError,
+    QueryQueue,
+    QueryStream,
     QueryTimeoutError,
     QueueClosedError,
+    QueueDriver,
+    QueueStore,
+    RetrievedQuery,
+    SocketQueueDriver,
+    SqliteQueueStore,
+    SyncQueryQueue,
 )
-from queryqueue.engine.memory_store import MemoryQueueStore
-from queryqueue.engine.queue import QueryQueue
+from queryqueue.engine import events as ev
 from queryqueue.engine.responses import ListResponse
-from queryqueue.engine.retrieved import RetrievedQuery
-from queryqueue.engine.store import QueueStore
-from queryqueue.engine.stream import QueryStream
-from queryqueue.engine.sync import SyncQueryQueue
-from queryqueue.supervisor.client import SocketQueueDriver
 from tests.supervisor_util import SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until
 

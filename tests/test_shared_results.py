@@ -10,9 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from queryqueue.engine.errors import InvalidCommandError, StoreError
-from queryqueue.engine.memory_store import MemoryQueueStore
-from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue import InvalidCommandError, MemoryQueueStore, SocketQueueDriver, StoreError
 from queryqueue.supervisor.protocol import encode_frame, read_frame
 from queryqueue.supervisor.server import QueueServer
 from queryqueue.supervisor.shm import (

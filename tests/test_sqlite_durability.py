@@ -15,8 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from queryqueue.driver_sqlite.store import SqliteQueueStore
-from queryqueue.engine.errors import SchemaVersionError, StoreError
+from queryqueue import SchemaVersionError, SqliteQueueStore, StoreError
 
 WRITER = textwrap.dedent(
     """

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from queryqueue import InvalidCommandError, MemoryQueueStore
 from queryqueue.engine.clock import ManualClock
-from queryqueue.engine.errors import InvalidCommandError
-from queryqueue.engine.memory_store import MemoryQueueStore
 from queryqueue.supervisor import sqltext
 
 

@@ -7,12 +7,13 @@ import asyncio
 import orjson
 import pytest
 
-from queryqueue.engine.clock import ManualClock
-from queryqueue.engine.errors import (
+from queryqueue import (
     ExclusiveAccessError,
     ExternalIdConflictError,
     InvalidCommandError,
+    QueueStore,
 )
+from queryqueue.engine.clock import ManualClock
 from queryqueue.engine.responses import (
     AckResponse,
     AddAndRetrieveResponse,
@@ -23,7 +24,6 @@ from queryqueue.engine.responses import (
     RetrieveResponse,
     ToCancelResponse,
 )
-from queryqueue.engine.store import QueueStore
 from tests.conftest import StoreFactory
 from tests.waiting import wait_until
 

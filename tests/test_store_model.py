@@ -15,11 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from queryqueue.driver_sqlite.store import SqliteQueueStore
+from queryqueue import InvalidCommandError, MemoryQueueStore, QueueStore, SqliteQueueStore
 from queryqueue.engine.clock import ManualClock
-from queryqueue.engine.errors import InvalidCommandError
-from queryqueue.engine.memory_store import MemoryQueueStore
-from queryqueue.engine.store import QueueStore
 from tests.postgres_util import postgres_store
 
 PREFIXES = ["a", "b"]

@@ -20,9 +20,12 @@ from typing import Any
 import orjson
 import pytest
 
-from queryqueue.driver_sqlite.store import SqliteQueueStore
-from queryqueue.engine.errors import ExternalIdConflictError, InvalidCommandError
-from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue import (
+    ExternalIdConflictError,
+    InvalidCommandError,
+    SocketQueueDriver,
+    SqliteQueueStore,
+)
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.waiting import wait_until_sync
 

@@ -16,9 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
-from queryqueue.driver_sqlite.store import SqliteQueueStore
-from queryqueue.engine.errors import ContinueWaitError
-from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue import ContinueWaitError, SocketQueueDriver, SqliteQueueStore
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until_sync

@@ -7,8 +7,7 @@ import os
 import time
 from typing import Any
 
-from queryqueue.engine.stream import QueryStream
-from queryqueue.supervisor.app import QueueApp
+from queryqueue import QueryStream, QueueApp
 
 app = QueueApp("pool", concurrency=2, continue_wait_timeout=1.0, heartbeat_interval=0.25)
 
