@@ -93,6 +93,10 @@ class SupervisorUnavailableError(QueueError, ConnectionError):
     """The supervisor cannot be reached (not running, or gone and not back in time)."""
 
 
+class AuthenticationError(QueueError):
+    """A TCP client did not present the supervisor's auth token."""
+
+
 class CommandRejectedError(QueueError):
     """The supervisor refused a command for a reason with no more specific error here."""
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from queryqueue.driver_sqlite import SqliteQueueStore
 from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
 from queryqueue.engine.errors import (
+    AuthenticationError,
     CommandRejectedError,
     CommandTimeoutError,
     ContinueWaitError,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 __version__ = package_version()
 
 __all__ = [
+    "AuthenticationError",
     "CancelHandler",
     "CommandRejectedError",
     "CommandTimeoutError",
@@ -88,10 +90,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # psycopg is an extra: the PostgreSQL store is imported on first use, not with the package.
-    if name == "PostgresQueueStore":
-        from queryqueue.driver_postgres import PostgresQueueStore
+if not TYPE_CHECKING:  # hidden from mypy, which then checks every other name users import
 
-        return PostgresQueueStore
-    raise AttributeError(f"module 'queryqueue' has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        # psycopg is an extra: the PostgreSQL store is imported on first use, not with the
+        # package (and without psycopg it imports a stand-in that says what to install).
+        if name == "PostgresQueueStore":
+            from queryqueue.driver_postgres import PostgresQueueStore
+
+            return PostgresQueueStore
+        raise AttributeError(f"module 'queryqueue' has no attribute {name!r}")

@@ -89,7 +89,19 @@ def _parser() -> argparse.ArgumentParser:
         default="NORMAL",
         help="SQLite durability: FULL also survives power loss, at about a third of the writes",
     )
-    sup.add_argument("--tcp-port", type=int, default=None, help="also listen on 127.0.0.1:PORT")
+    sup.add_argument(
+        "--tcp-port",
+        type=int,
+        default=None,
+        help="also listen on 127.0.0.1:PORT (0: any free port); clients must send the token",
+    )
+    sup.add_argument(
+        "--auth-token-file",
+        type=Path,
+        default=None,
+        help="the TCP listener's secret (a 0600 file, made when missing; default: the "
+        "socket's path + .token)",
+    )
     sup.add_argument(
         "--app",
         default=os.environ.get(APP_ENV) or None,
@@ -221,6 +233,7 @@ def _supervisor(
         schema=args.schema,
         synchronous=args.synchronous,
         tcp_port=args.tcp_port,
+        auth_token_file=args.auth_token_file,
         app=args.app,
         workers=workers,
         cancel_grace=args.cancel_grace,

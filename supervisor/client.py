@@ -23,7 +23,11 @@ from typing import Any
 import orjson
 
 from queryqueue.engine.aio import wait_within
-from queryqueue.engine.errors import CommandTimeoutError, SupervisorUnavailableError
+from queryqueue.engine.errors import (
+    AuthenticationError,
+    CommandTimeoutError,
+    SupervisorUnavailableError,
+)
 from queryqueue.engine.responses import (
     AckResponse,
     AddAndRetrieveResponse,
@@ -147,10 +151,15 @@ class SocketQueueDriver:
         request_timeout: float = 60.0,
         max_frame: int = DEFAULT_MAX_FRAME,
         shm_threshold: int | None = DEFAULT_THRESHOLD,
+        auth_token: str | None = None,
     ) -> None:
-        """`shm_threshold`: results (ACKs) of at least this many bytes of JSON go through
+        """`socket_path` is a Unix socket's path, or `tcp://127.0.0.1:PORT` with the
+        supervisor's `auth_token` (its --auth-token-file holds it).
+
+        `shm_threshold`: results (ACKs) of at least this many bytes of JSON go through
         shared memory (None: never). Reading one works whatever this is."""
         self.shm_threshold = shm_threshold
+        self.auth_token = auth_token
         self._segments = SegmentMaps()
         self.socket_path = Path(socket_path) if socket_path is not None else default_socket_path()
         self.process_id = process_id
@@ -199,9 +208,11 @@ class SocketQueueDriver:
         hello = {} if self.process_id is None else {"process_id": self.process_id}
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+                reader, writer = await self._open()
                 link = _Link(reader, writer, self.max_frame)
                 try:
+                    if self.tcp_address is not None:
+                        await self._authenticate(link)
                     reply = await self._exchange(
                         link, {"cmd": "hello", "kwargs": hello}, self.request_timeout
                     )
@@ -222,6 +233,32 @@ class SocketQueueDriver:
             raise_error(reply["error"])
         self.pool_prefixes = frozenset(reply["ok"].get("pool", ()))
         return link
+
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        text = str(self.socket_path)
+        if not text.startswith("tcp:/"):
+            return None
+        host, _, port = text.split("/")[-1].rpartition(":")
+        return host, int(port)
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        address = self.tcp_address
+        if address is None:
+            return await asyncio.open_unix_connection(str(self.socket_path))
+        return await asyncio.open_connection(*address)
+
+    async def _authenticate(self, link: _Link) -> None:
+        if not self.auth_token:
+            raise AuthenticationError(
+                f"{self.socket_path} is a TCP listener: pass auth_token (its --auth-token-file)"
+            )
+        reply = await self._exchange(
+            link, {"cmd": "auth", "args": [self.auth_token]}, self.request_timeout
+        )
+        if "error" in reply:
+            link.close()
+            raise_error(reply["error"])
 
     async def _exchange(
         self, link: _Link, message: dict[str, Any], answer_within: float | None
@@ -290,6 +327,10 @@ class SocketQueueDriver:
         way, and the stalled path reclaims it if the hand-off never arrived.
         """
         await self.call("dispatch", f"{prefix}:{retrieved.query_key_hash}", retrieved.queue_id)
+
+    async def ping(self) -> str:
+        """The supervisor's "pong": it is there and answering."""
+        return str(await self.call("ping"))
 
     async def stats(self) -> dict[str, Any]:
         answer: dict[str, Any] = await self.call("stats")

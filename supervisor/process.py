@@ -5,17 +5,18 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
 from queryqueue.engine.store import QueueStore
+from queryqueue.supervisor import guard
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
 
 
 def open_store(db: str | Path, *, synchronous: Synchronous, schema: str) -> QueueStore:
     """A SQLite file, or a postgresql:// URL (a queue several hosts share)."""
-    if isinstance(db, str) and db.startswith(("postgresql://", "postgres://")):
+    if _is_url(db):
         from queryqueue.driver_postgres.store import PostgresQueueStore
 
         return PostgresQueueStore(db, schema=schema)
@@ -29,6 +30,7 @@ async def serve(
     synchronous: Synchronous = "NORMAL",
     schema: str = "queryqueue",
     tcp_port: int | None = None,
+    auth_token_file: str | Path | None = None,
     app: str | None = None,
     workers: int = 0,
     ready: asyncio.Event | None = None,
@@ -39,7 +41,49 @@ async def serve(
 
     `pool_options` go to `WorkerPool` (cancel_grace, max_tasks_per_worker,
     max_memory_per_worker, shm_threshold)."""
-    store = open_store(db, synchronous=synchronous, schema=schema)
+    socket_path = Path(socket_path)
+    guard.private_directory(socket_path.parent)
+    token = None
+    if tcp_port is not None:
+        token = guard.load_or_create_token(
+            Path(auth_token_file) if auth_token_file else guard.token_path(socket_path)
+        )
+    # One supervisor per database (the socket is locked by the server): a second one
+    # would run every query twice and race the first for its budget.
+    db_lock = None if _is_url(db) else guard.Lock(guard.lock_path(Path(db)), f"database {db}")
+    try:
+        await _serve_store(
+            open_store(db, synchronous=synchronous, schema=schema),
+            socket_path,
+            tcp_port=tcp_port,
+            token=token,
+            app=app,
+            workers=workers,
+            ready=ready,
+            stop=stop,
+            **pool_options,
+        )
+    finally:
+        if db_lock is not None:
+            db_lock.release()
+
+
+def _is_url(db: str | Path) -> TypeGuard[str]:
+    return isinstance(db, str) and db.startswith(("postgresql://", "postgres://"))
+
+
+async def _serve_store(
+    store: QueueStore,
+    socket_path: Path,
+    *,
+    tcp_port: int | None,
+    token: str | None,
+    app: str | None,
+    workers: int,
+    ready: asyncio.Event | None,
+    stop: asyncio.Event | None,
+    **pool_options: Any,
+) -> None:
     pool = (
         WorkerPool(app, socket_path, store, workers=workers, **pool_options)
         if app and workers > 0
@@ -50,14 +94,17 @@ async def serve(
         socket_path,
         tcp_host="127.0.0.1" if tcp_port is not None else None,
         tcp_port=tcp_port,
+        tcp_token=token,
         pool=pool,
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)  # the handler only sets a flag
+    started = False
     try:
-        await server.start()
+        await server.start()  # refuses an unsafe socket directory, a second supervisor
+        started = True
         if pool is not None:
             await pool.start()
         print(f"queryqueue supervisor listening on {server.socket_path}", flush=True)
@@ -71,7 +118,8 @@ async def serve(
             loop.remove_signal_handler(signum)
         if pool is not None:
             await pool.stop()
-        await server.stop()
+        if started:
+            await server.stop()
         store.close()
 
 

@@ -39,7 +39,7 @@ HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 256 * 1024 * 1024
 
 
-class FrameError(errors.QueueError):
+class FrameError(errors.InvalidCommandError):
     """The byte stream is not a sequence of frames: the connection cannot be resynchronized."""
 
 
@@ -92,8 +92,15 @@ def decode_retrieved(blob: bytes) -> RetrievedQuery:
     return RetrievedQuery(query_key_hash, queue_id, processing_id, queue_size, query)
 
 
-def error_payload(exc: BaseException) -> dict[str, str]:
-    return {"type": type(exc).__name__, "message": str(exc)}
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """An error as the wire carries it: its class, and the public families it belongs to
+    (nearest first), so a client raises the same family even for a class it lacks."""
+    family = [
+        cls.__name__
+        for cls in type(exc).__mro__
+        if getattr(errors, cls.__name__, None) is cls and issubclass(cls, errors.QueueError)
+    ]
+    return {"type": type(exc).__name__, "message": str(exc), "family": family}
 
 
 # -- replies back into response types ------------------------------------------------------
@@ -138,11 +145,14 @@ def raise_error(payload: dict[str, Any]) -> None:
     """Re-raise an error reply as the same exception family on this side."""
     kind = payload.get("type", "")
     message = payload.get("message", "")
-    cls = getattr(errors, kind, None)
-    if (
-        isinstance(cls, type)
-        and issubclass(cls, errors.QueueError)
-        and cls is not errors.QueueError
-    ):
-        raise cls(message)
+    family = payload.get("family")
+    names = [kind, *(family if isinstance(family, list) else [])]
+    for name in names:
+        cls = getattr(errors, name, None) if isinstance(name, str) else None
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, errors.QueueError)
+            and cls is not errors.QueueError
+        ):
+            raise cls(message if name == kind else f"{kind}: {message}")
     raise errors.CommandRejectedError(f"{kind}: {message}")

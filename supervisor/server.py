@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import inspect
 import os
 import time
@@ -23,11 +24,16 @@ from typing import Any
 import orjson
 
 from queryqueue.engine.connection import decode_def
-from queryqueue.engine.errors import InvalidCommandError, QueueError, StoreError
+from queryqueue.engine.errors import (
+    AuthenticationError,
+    InvalidCommandError,
+    QueueError,
+    StoreError,
+)
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QUEUE_COMMANDS, QueueStore
 from queryqueue.engine.validation import check_key, check_process_id
-from queryqueue.supervisor import sqltext
+from queryqueue.supervisor import guard, sqltext
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
     DEFAULT_MAX_FRAME,
@@ -98,6 +104,9 @@ def _percentile(samples: deque[float], q: float) -> float | None:
 @dataclass(eq=False)
 class _Connection:
     writer: asyncio.StreamWriter
+    # Unix-socket peers passed the socket's permissions; a TCP peer must send the token.
+    authenticated: bool = True
+    hang_up: bool = False  # refused: answered, then closed
     process_id: str | None = None
     parked: set[asyncio.Task[None]] = field(default_factory=set)
     closed: bool = False
@@ -180,9 +189,15 @@ class QueueServer:
         max_batch: int = 512,
         pool: WorkerPool | None = None,
         segments: SegmentPool | None = None,
+        tcp_token: str | None = None,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
+        if tcp_host is not None and not tcp_token:
+            # Any local user can reach a loopback port: without a secret, they could read
+            # every payload and result.
+            raise ValueError("the TCP listener needs an auth token (--auth-token-file)")
+        self.tcp_token = tcp_token
         self.store = store
         self.socket_path = Path(socket_path)
         self.tcp_host = tcp_host
@@ -202,15 +217,28 @@ class QueueServer:
         self._stopping = False
         self._shapes: dict[str, _Shape] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._socket_lock: guard.Lock | None = None
+        self._socket_identity: tuple[int, int] | None = None
 
     async def start(self) -> None:
+        guard.private_directory(self.socket_path.parent)
+        self._socket_lock = guard.Lock(
+            guard.lock_path(self.socket_path), f"socket {self.socket_path}"
+        )
+        try:
+            guard.clear_stale_socket(self.socket_path)  # a dead supervisor's, nobody else's
+            await self._listen()
+        except BaseException:
+            self._socket_lock.release()
+            raise
         # Coming back after a crash: executors that lived through the outage could not
         # heartbeat, so give them a full timeout to reconnect before anything is reaped.
         self.store.refresh_active_heartbeats()
         self.segments.adopt()  # large results a crashed supervisor acknowledged
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()  # a stale socket of a dead supervisor
+        self._executor = asyncio.ensure_future(self._execute_forever())
+        self._sweeper = asyncio.ensure_future(self._sweep_forever())
+
+    async def _listen(self) -> None:
         old_umask = os.umask(0o177)  # the socket is born 0600: no window with wider access
         try:
             self._servers.append(
@@ -218,13 +246,11 @@ class QueueServer:
             )
         finally:
             os.umask(old_umask)
-        os.chmod(self.socket_path, 0o600)
+        self._socket_identity = guard.socket_identity(self.socket_path)
         if self.tcp_host is not None:
             self._servers.append(
-                await asyncio.start_server(self._serve, self.tcp_host, self.tcp_port or 0)
+                await asyncio.start_server(self._serve_tcp, self.tcp_host, self.tcp_port or 0)
             )
-        self._executor = asyncio.ensure_future(self._execute_forever())
-        self._sweeper = asyncio.ensure_future(self._sweep_forever())
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -267,16 +293,26 @@ class QueueServer:
             with contextlib.suppress(StoreError):
                 checkpoint()
         self.segments.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        guard.unlink_if_ours(self.socket_path, self._socket_identity)
+        if self._socket_lock is not None:
+            self._socket_lock.release()
 
     # -- connections ----------------------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(reader, writer, authenticated=False)
+
+    async def _serve(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        authenticated: bool = True,
+    ) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
-        connection = _Connection(writer)
+        connection = _Connection(writer, authenticated=authenticated)
         self._connections.add(connection)
         try:
             while not self._stopping:
@@ -289,6 +325,8 @@ class QueueServer:
                 if body is None:
                     break
                 self._accept(connection, body)
+                if connection.hang_up:
+                    break
                 if writer.transport.get_write_buffer_size() > 4 * 1024 * 1024:
                     await writer.drain()  # a client that does not read slows only itself
         except (ConnectionError, asyncio.CancelledError):
@@ -312,6 +350,9 @@ class QueueServer:
             if not isinstance(message, dict):
                 raise InvalidCommandError("a request must be a JSON object")
             request_id = message.get("id")
+            if not connection.authenticated:
+                self._authenticate(connection, message, request_id)
+                return
             request = self._parse(connection, message, request_id)
         except orjson.JSONDecodeError as exc:
             connection.send(
@@ -332,6 +373,32 @@ class QueueServer:
             parked.add_done_callback(connection.parked.discard)
         else:
             self._inbox.put_nowait(request)
+
+    def _authenticate(
+        self, connection: _Connection, message: dict[str, Any], request_id: Any
+    ) -> None:
+        """A TCP connection's first frame must be `{"cmd": "auth", "args": [token]}`;
+        anything else is answered with an error and the connection closed."""
+        args = message.get("args")
+        token = (
+            args[0] if message.get("cmd") == "auth" and isinstance(args, list) and args else None
+        )
+        if (
+            isinstance(token, str)
+            and self.tcp_token is not None
+            and hmac.compare_digest(token.encode(), self.tcp_token.encode())
+        ):
+            connection.authenticated = True
+            connection.send({"id": request_id, "ok": True})
+            return
+        error = AuthenticationError(
+            "authenticate first: send {'cmd': 'auth', 'args': [token]} with the token "
+            "from the supervisor's --auth-token-file"
+            if message.get("cmd") != "auth"
+            else "auth: wrong token"
+        )
+        connection.send({"id": request_id, "error": error_payload(error)})
+        connection.hang_up = True
 
     def _parse(
         self, connection: _Connection, message: dict[str, Any], request_id: Any
