@@ -490,7 +490,7 @@ class PostgresQueueStore(QueueStore):
 
     def _lookup(self, key: QueueKey) -> ResultResponse | None:
         with self._atomic() as tx:
-            return self._lookup_result(tx, key, None, self.clock.now_ms())
+            return self._blocking_lookup(tx, key, self.clock.now_ms())
 
     def _take(self, key: QueueKey, event: AckEvent) -> ResultResponse | None:
         if event.result is None:  # ACK with NULL: answered, with no payload

@@ -546,6 +546,17 @@ class QueueStore(ABC):
             tx.mark_result_deleted(found.id, consumer)
             return _result_response(found)
 
+    def _blocking_lookup(
+        self, tx: StoreTransaction, key: QueueKey, now: int
+    ) -> ResultResponse | None:
+        """RESULT_BLOCKING's first look: RESULT's rules, except that a waiter by id takes
+        the path result as it does when woken, so whether the ACK came before or after it
+        subscribed makes no difference."""
+        found = self._lookup_result(tx, key, None, now)
+        if found is not None and isinstance(key, int):
+            tx.mark_result_deleted(found.id)
+        return found
+
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         """QUEUE RESULT_BLOCKING timeout key: RESULT, or wait up to `timeout_ms` for the ACK.
 
@@ -557,7 +568,7 @@ class QueueStore(ABC):
         waiter = self.waiters.subscribe(key)
         try:
             with self._atomic() as tx:
-                found = self._lookup_result(tx, key, None, self.clock.now_ms())
+                found = self._blocking_lookup(tx, key, self.clock.now_ms())
             if found is not None:
                 return found
             try:

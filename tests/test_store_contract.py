@@ -642,3 +642,15 @@ def test_refreshing_heartbeats_after_an_outage_spares_active_items(
     clock.advance(1_001)  # and a dead executor is still reaped one timeout later
     assert store.stalled(1_000, P) == [ToCancelResponse("running", running)]
     assert [row.status for row in store.list_items(P)] == ["active", "pending"]
+
+
+async def test_result_blocking_by_id_takes_the_result_whether_the_ack_came_first_or_not(
+    store: QueueStore,
+) -> None:
+    # ACK first, then the waiter by id: it takes the path result, as a woken waiter does.
+    qid = store.add(path("a"), payload()).id
+    store.ack(qid, payload(r=1))
+    got = await store.result_blocking(qid, 1000)
+    assert got is not None and got.payload == payload(r=1)
+    assert store.result(path("a")) is None
+    assert store.result(qid) is not None  # by id it still reads
