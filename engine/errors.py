@@ -85,6 +85,11 @@ class QueryTimeoutError(QueryError, TimeoutError):
     passed before its result arrived."""
 
 
+class ResultTooLargeError(QueueError):
+    """A result no transport can carry (no room in shared memory, and over the socket's
+    frame limit): the query fails with this error for its waiters instead."""
+
+
 class QueueClosedError(QueueError):
     """The queue was closed (`close()`): it takes no new work."""
 

@@ -30,6 +30,7 @@ from queryqueue.engine.errors import (
     QueryError,
     QueryTimeoutError,
     QueueClosedError,
+    ResultTooLargeError,
 )
 from queryqueue.engine.events import EventLogger, Events
 from queryqueue.engine.handlers import (
@@ -586,7 +587,7 @@ class QueryQueue:
                 execution.finished = True
                 heartbeat.cancel()
                 await asyncio.gather(heartbeat, *execution.side_tasks, return_exceptions=True)
-            if not await conn.set_encoded_result_and_remove_query(query_key_hash, result, queue_id):
+            if not await self._acknowledge(query_key_hash, queue_id, result, context):
                 self.events.emit(
                     ev.ORPHANED_RESULT,
                     {
@@ -600,6 +601,20 @@ class QueryQueue:
             self.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
         finally:
             self._executions.pop(queue_id, None)
+
+    async def _acknowledge(
+        self, query_key_hash: str, queue_id: QueueId, result: str, context: dict[str, Any]
+    ) -> bool:
+        """ACK with the result; one that no transport can carry fails the query instead,
+        so its waiters hear why rather than wait for a reap."""
+        conn = self.connection
+        try:
+            return await conn.set_encoded_result_and_remove_query(query_key_hash, result, queue_id)
+        except ResultTooLargeError as exc:
+            self.events.emit(ev.ERROR_WHILE_QUERYING, {**context, "error": repr(exc)})
+            return await conn.set_encoded_result_and_remove_query(
+                query_key_hash, encode_error(exc), queue_id
+            )
 
     async def _run_handler(self, execution: _Execution) -> str:
         """Run the handler; its result as the JSON text to ACK with."""

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -26,6 +27,8 @@ from queryqueue.engine.aio import wait_within
 from queryqueue.engine.errors import (
     AuthenticationError,
     CommandTimeoutError,
+    ResultTooLargeError,
+    StoreError,
     SupervisorUnavailableError,
 )
 from queryqueue.engine.responses import (
@@ -50,6 +53,10 @@ from queryqueue.supervisor.protocol import (
     read_frame,
 )
 from queryqueue.supervisor.shm import DEFAULT_THRESHOLD, SegmentMaps, parse_reference
+
+_log = logging.getLogger("queryqueue.client")
+# Room in a frame for an ACK's envelope around its result (id, command, key, quoting).
+_FRAME_OVERHEAD = 4096
 
 _ALWAYS_SAFE = {
     "add",
@@ -419,11 +426,25 @@ class SocketQueueDriver:
             and self.shm_threshold is not None
             and len(result) >= self.shm_threshold
         ):
-            data = result.encode()
-            slot = await self.call("shm_alloc", len(data))
-            result = self._segments.write(slot, data)
+            result = await self._share(result)
+        if result is not None and len(result) + _FRAME_OVERHEAD > self.max_frame:
+            raise ResultTooLargeError(
+                f"a result of {len(result)} bytes is over the socket's frame limit of "
+                f"{self.max_frame} bytes, and shared memory could not take it"
+            )
         answer: AckResponse = await self._decoded("ack", key, result)
         return answer
+
+    async def _share(self, result: str) -> str:
+        """The reference to ACK with, once `result` is in a segment; `result` itself when
+        shared memory has no room for it (a full /dev/shm, a cap): the socket way."""
+        data = result.encode()
+        try:
+            slot = await self.call("shm_alloc", len(data))
+            return self._segments.write(slot, data)
+        except StoreError as exc:
+            _log.warning("result of %d bytes goes through the socket: %s", len(data), exc)
+            return result
 
     async def _read_shared(self, answer: ResultResponse | None) -> ResultResponse | None:
         """Copy a shared-memory result out of its segment, then release our lease."""

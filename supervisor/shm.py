@@ -51,6 +51,10 @@ import orjson
 from queryqueue.engine.errors import InvalidCommandError, StoreError
 
 DEFAULT_THRESHOLD = 1024 * 1024
+# Caps on segments in use (written, stored or being read): in all, and leased to one
+# connection (writing or reading), so one client cannot take every other's room.
+DEFAULT_MAX_TOTAL = 4 * 1024 * 1024 * 1024
+DEFAULT_MAX_CONNECTION = 1024 * 1024 * 1024
 MIN_SEGMENT = 1024 * 1024
 HEADER = struct.Struct("<8sQ")  # magic, generation
 MAGIC = b"qqresult"
@@ -60,6 +64,19 @@ SHM_DIR = Path("/dev/shm")
 
 class SharedResultError(StoreError):
     """A shared-memory result could not be written or read (segment gone or reused)."""
+
+
+class SharedMemoryFullError(SharedResultError):
+    """No segment for this result: /dev/shm is full, or a cap on shared memory (per
+    connection, in total) would be passed. The writer sends the result through the socket."""
+
+
+def _free_bytes() -> int:
+    try:
+        info = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return info.f_bavail * info.f_frsize
 
 
 def name_prefix(socket_path: str | Path) -> str:
@@ -75,6 +92,16 @@ def _open(name: str, size: int | None) -> mmap.mmap:
     try:
         if size is not None:
             os.ftruncate(fd, size)
+            try:
+                # Reserve the pages now: touching a page tmpfs has no room for kills the
+                # toucher with SIGBUS, and the supervisor pre-touches every new segment.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                _unlink(name)
+                raise SharedMemoryFullError(
+                    f"no room in {SHM_DIR} for a {size}-byte segment ({exc.strerror}): "
+                    f"{_free_bytes()} bytes free there"
+                ) from None
         length = os.fstat(fd).st_size
         return mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
@@ -131,9 +158,13 @@ class SegmentPool:
         reread_grace: float = 0.5,
         max_free_bytes: int = 256 * 1024 * 1024,
         max_segment: int = 2 * 1024 * 1024 * 1024,
+        max_total_bytes: int = DEFAULT_MAX_TOTAL,
+        max_connection_bytes: int = DEFAULT_MAX_CONNECTION,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.prefix = prefix
+        self.max_total_bytes = max_total_bytes
+        self.max_connection_bytes = max_connection_bytes
         self.result_ttl = result_ttl
         self.reread_grace = reread_grace
         self.max_free_bytes = max_free_bytes
@@ -157,6 +188,12 @@ class SegmentPool:
                 f"shm_alloc: a result of {size} bytes is over the limit of {self.max_segment}"
             )
         capacity = max(MIN_SEGMENT, 1 << (size + HEADER.size - 1).bit_length())
+        leased = self.leased_bytes(writer)
+        if leased + capacity > self.max_connection_bytes:
+            raise SharedMemoryFullError(
+                f"shm_alloc: this connection holds {leased} bytes of shared memory; "
+                f"{capacity} more would pass its cap of {self.max_connection_bytes}"
+            )
         # The smallest free segment that fits: reused pages are already touched.
         segment = min(
             (s for s in self._segments.values() if s.state == "free" and s.capacity >= capacity),
@@ -164,6 +201,15 @@ class SegmentPool:
             default=None,
         )
         if segment is None:
+            in_use = sum(s.capacity for s in self._segments.values())
+            if in_use + capacity > self.max_total_bytes:
+                self.trim(capacity)
+                in_use = sum(s.capacity for s in self._segments.values())
+            if in_use + capacity > self.max_total_bytes:
+                raise SharedMemoryFullError(
+                    f"shm_alloc: {in_use} bytes of shared memory in use; {capacity} more "
+                    f"would pass the cap of {self.max_total_bytes}"
+                )
             segment = self._create(capacity)
         else:
             self.reused += 1
@@ -254,6 +300,28 @@ class SegmentPool:
                 break
             excess -= segment.capacity
             self._destroy(segment)
+
+    def trim(self, wanted: int) -> None:
+        """Destroy free segments (largest first) until `wanted` more bytes fit the cap."""
+        in_use = sum(s.capacity for s in self._segments.values())
+        free = sorted(
+            (s for s in self._segments.values() if s.state == "free"),
+            key=lambda s: s.capacity,
+            reverse=True,
+        )
+        for segment in free:
+            if in_use + wanted <= self.max_total_bytes:
+                return
+            in_use -= segment.capacity
+            self._destroy(segment)
+
+    def leased_bytes(self, owner: object) -> int:
+        """Shared memory `owner` holds: segments it writes or is reading."""
+        return sum(
+            s.capacity
+            for s in self._segments.values()
+            if (s.state == "writing" and s.writer is owner) or owner in s.readers
+        )
 
     def adopt(self, directory: Path = SHM_DIR) -> int:
         """Take over the segments a crashed supervisor on this socket left behind."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -10,7 +11,14 @@ from pathlib import Path
 import orjson
 import pytest
 
-from queryqueue import InvalidCommandError, MemoryQueueStore, SocketQueueDriver, StoreError
+from queryqueue import (
+    InvalidCommandError,
+    MemoryQueueStore,
+    QueryError,
+    QueryQueue,
+    SocketQueueDriver,
+    StoreError,
+)
 from queryqueue.supervisor.protocol import encode_frame, read_frame
 from queryqueue.supervisor.server import QueueServer
 from queryqueue.supervisor.shm import (
@@ -18,6 +26,7 @@ from queryqueue.supervisor.shm import (
     SHM_DIR,
     SegmentMaps,
     SegmentPool,
+    SharedMemoryFullError,
     SharedResultError,
     name_prefix,
     parse_reference,
@@ -264,3 +273,68 @@ async def test_an_acknowledged_large_result_survives_a_supervisor_kill_9(
 
 async def _stored_segments(driver: SocketQueueDriver, count: int) -> bool:
     return bool((await driver.stats())["shared_memory"]["stored"] == count)
+
+
+# -- no room: an error naming it, the socket way, never a SIGBUS ------------------------------
+
+
+def test_no_room_in_dev_shm_is_an_error_naming_it_and_leaves_no_segment(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    pool = SegmentPool(prefix)
+    with pytest.raises(SharedMemoryFullError, match="no room in /dev/shm for a 4194304-byte"):
+        pool.alloc(3 * MiB, object())
+    assert _segments(prefix) == []
+    assert pool.describe()["segments"] == 0
+
+
+def test_shared_memory_is_capped_per_connection_and_in_all(prefix: str) -> None:
+    pool = SegmentPool(prefix, max_total_bytes=4 * MiB, max_connection_bytes=2 * MiB)
+    maps = SegmentMaps()
+    one, two = object(), object()
+    try:
+        _write(pool, maps, b"x" * (MiB + 1), one)  # a 2 MiB segment, writing
+        with pytest.raises(SharedMemoryFullError, match="this connection holds"):
+            pool.alloc(10, one)
+        _write(pool, maps, b"y" * (MiB + 1), two)
+        with pytest.raises(SharedMemoryFullError, match="would pass the cap of 4194304"):
+            pool.alloc(10, object())
+    finally:
+        maps.close()
+        pool.close(keep_stored=False)
+    assert _segments(prefix) == []
+
+
+async def test_a_result_with_no_room_in_shared_memory_goes_through_the_socket(
+    server: QueueServer,
+) -> None:
+    server.segments.max_total_bytes = MiB  # room for nothing of 3 MiB
+    driver = SocketQueueDriver(server.socket_path, shm_threshold=MiB)
+    value = orjson.dumps({"result": "w" * (3 * MiB)}).decode()
+    added = await driver.add("p:k", "{}")
+    assert (await driver.ack(added.id, value)).success
+    stored = server.store.result(added.id)
+    assert stored is not None and stored.payload == value  # inline, not a reference
+    found = await driver.result(added.id)
+    assert found is not None and found.payload == value
+    assert server.segments.describe()["segments"] == 0
+    await driver.close()
+
+
+async def test_a_result_no_transport_can_carry_fails_the_query_for_its_waiters(
+    server: QueueServer,
+) -> None:
+    def huge(query: object, set_cancel_handler: object) -> str:
+        return "v" * (2 * MiB)
+
+    driver = SocketQueueDriver(server.socket_path, shm_threshold=None, max_frame=MiB)
+    queue = QueryQueue("p", query_handlers={"big": huge}, driver=driver)
+    with pytest.raises(QueryError, match="frame limit") as raised:
+        await queue.run("big", "k", {})
+    assert raised.value.error_type == "ResultTooLargeError"
+    await queue.close()
+    await driver.close()
