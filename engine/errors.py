@@ -80,6 +80,11 @@ class QueryCancelledError(QueryError):
     while its callers waited: every waiter gets this, and nothing runs it again."""
 
 
+class WorkerLostError(QueryError):
+    """The query killed the worker running it too many times (`--max-worker-deaths`): it
+    is not run again."""
+
+
 class QueryTimeoutError(QueryError, TimeoutError):
     """A query ran past its execution timeout, or a caller's `run(..., timeout=)` deadline
     passed before its result arrived."""

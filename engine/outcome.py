@@ -3,7 +3,8 @@
 Cube's shapes, `{"result": value}` and `{"error": message}`, so Cube clients read ours; an
 error also carries `errorType` (the handler's exception class) and `stack` (its traceback
 text), so a caller in another process raises the family the handler raised and can see
-where. A cancelled query's outcome is an error of type `QueryCancelledError`.
+where. A cancelled query's outcome is an error of type `QueryCancelledError`; an execution
+lost with its worker is a "retry" outcome, which its waiters see as `ContinueWaitError`.
 """
 
 from __future__ import annotations
@@ -13,13 +14,20 @@ from typing import Any
 
 import orjson
 
-from queryqueue.engine.errors import QueryCancelledError, QueryError, QueryTimeoutError
+from queryqueue.engine.errors import (
+    ContinueWaitError,
+    QueryCancelledError,
+    QueryError,
+    QueryTimeoutError,
+    WorkerLostError,
+)
 
 CANCELLED_MESSAGE = "Query was cancelled"
 # The families a caller raises by name; any other handler error is a QueryError naming it.
 _FAMILIES: dict[str, type[QueryError]] = {
     "QueryCancelledError": QueryCancelledError,
     "QueryTimeoutError": QueryTimeoutError,
+    "WorkerLostError": WorkerLostError,
 }
 
 
@@ -48,9 +56,19 @@ def encode_cancelled() -> str:
     ).decode()
 
 
+def encode_retry(message: str) -> str:
+    """The outcome of an execution lost on the way (its worker died): waiters are woken
+    with `ContinueWaitError` and, asking again, run it afresh together."""
+    return orjson.dumps(
+        {"error": message, "errorType": "ContinueWaitError", "retry": True}
+    ).decode()
+
+
 def parse_result(result: Any) -> Any:
     """The value of a decoded outcome; an error outcome raises its family."""
     if isinstance(result, dict):
+        if result.get("retry") is True:
+            raise ContinueWaitError(str(result.get("error") or "Continue wait"))
         if "error" in result:
             error_type = result.get("errorType")
             family = (

@@ -242,7 +242,8 @@ class QueryQueue:
             try:
                 return await self._execute(request, wait)
             except ContinueWaitError as exc:
-                queue_id = exc.queue_id or queue_id
+                # None after a retry outcome: that item is gone, the next poll enqueues anew.
+                queue_id = exc.queue_id
 
     async def _execute(self, request: _Request, wait: float) -> Any:
         self._check_request(request)

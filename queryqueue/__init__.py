@@ -33,9 +33,11 @@ from queryqueue.engine.errors import (
     QueryTimeoutError,
     QueueClosedError,
     QueueError,
+    ResultTooLargeError,
     SchemaVersionError,
     StoreError,
     SupervisorUnavailableError,
+    WorkerLostError,
 )
 from queryqueue.engine.handlers import CancelHandler, QueryHandler, SetCancelHandler
 from queryqueue.engine.hashing import hash_query_key
@@ -77,6 +79,7 @@ __all__ = [
     "QueueDriver",
     "QueueError",
     "QueueStore",
+    "ResultTooLargeError",
     "RetrievedQuery",
     "SchemaVersionError",
     "SetCancelHandler",
@@ -85,6 +88,7 @@ __all__ = [
     "StoreError",
     "SupervisorUnavailableError",
     "SyncQueryQueue",
+    "WorkerLostError",
     "__version__",
     "hash_query_key",
 ]

@@ -124,6 +124,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-tasks-per-worker", type=int, default=None, help="recycle a worker after N queries"
     )
     sup.add_argument(
+        "--max-worker-deaths",
+        type=int,
+        default=3,
+        help="a query that kills its worker this many times fails for its waiters",
+    )
+    sup.add_argument(
         "--max-memory-per-worker",
         type=int,
         default=None,
@@ -238,6 +244,7 @@ def _supervisor(
         workers=workers,
         cancel_grace=args.cancel_grace,
         max_tasks_per_worker=args.max_tasks_per_worker,
+        max_worker_deaths=args.max_worker_deaths,
         max_memory_per_worker=(
             args.max_memory_per_worker * 1024 * 1024 if args.max_memory_per_worker else None
         ),
@@ -258,6 +265,15 @@ async def _status(socket_path: Path) -> int:
         f"{stats['commands_per_s']} commands/s, {stats['connections']} connections, "
         f"{stats['results_held']} results held, {stats['waiters']} waiting"
     )
+    pool = stats.get("pool")
+    if pool is not None:
+        short = "" if pool["alive"] >= pool["size"] else " (SHORT"
+        if short and pool.get("spawn_error"):
+            short += f": spawning fails: {pool['spawn_error']}"
+        print(
+            f"pool: {pool['alive']} of {pool['size']} workers{short}{')' if short else ''}, "
+            f"{pool['replaced']} replaced, {pool['terminated']} terminated"
+        )
     rows = [
         [p["prefix"], p["pending"], p["active"], _age(p["oldest_age_ms"])]
         for p in stats["prefixes"]

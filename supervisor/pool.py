@@ -22,7 +22,7 @@ import contextlib
 import inspect
 import logging
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,8 @@ import orjson
 import psutil
 
 from queryqueue.engine.driver import LocalQueueDriver
+from queryqueue.engine.errors import QueryTimeoutError, WorkerLostError
+from queryqueue.engine.outcome import encode_error, encode_retry
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.responses import QueueId, QueueKey
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -40,6 +42,8 @@ from queryqueue.supervisor.protocol import decode_retrieved, encode_retrieved
 from queryqueue.supervisor.shm import DEFAULT_THRESHOLD
 
 _log = logging.getLogger("queryqueue.pool")
+SPAWN_RETRY_FIRST = 0.1
+SPAWN_RETRY_MAX = 5.0
 
 # Messages to a worker over its pipe, by their first byte; an empty one asks it to exit.
 _JOB = b"J"
@@ -53,6 +57,8 @@ class _Job:
     blob: bytes  # the RetrievedQuery as the worker reads it (protocol.encode_retrieved)
     removed_at: float | None = None  # when the supervisor saw the item gone from the queue
     abandoned: bool = False
+    started_at: float | None = None  # loop time it was sent to a worker
+    timed_out: bool = False  # failed by the supervisor's own execution timeout
 
 
 @dataclass(eq=False)
@@ -79,9 +85,21 @@ class WorkerPool:
         cancel_grace: float = 10.0,
         shm_threshold: int | None = DEFAULT_THRESHOLD,
         max_memory_per_worker: int | None = None,
+        max_worker_deaths: int = 3,
+        context: Any = None,
     ) -> None:
         if workers < 1:
             raise ValueError("a pool needs at least one worker")
+        if max_worker_deaths < 1:
+            raise ValueError("max_worker_deaths must be at least 1")
+        self.max_worker_deaths = max_worker_deaths
+        # Deaths of workers while running a query, by the query's path (bounded).
+        self._deaths: OrderedDict[str, int] = OrderedDict()
+        self.spawn_failures = 0
+        self.spawn_error: str | None = None
+        self._respawn: asyncio.TimerHandle | None = None
+        self._spawn_delay = SPAWN_RETRY_FIRST
+        self.execution_timeout = 600.0  # the app's, once loaded
         self.app_ref = app_ref
         self.socket_path = str(socket_path)
         self.store = store
@@ -94,7 +112,7 @@ class WorkerPool:
         self.terminated = 0
         self.recycled = 0
         self.handed_off = 0
-        self._context = multiprocess.get_context("spawn")
+        self._context = context or multiprocess.get_context("spawn")
         self._workers: list[_Worker] = []
         self._backlog: deque[_Job] = deque()
         self._heartbeats: asyncio.Task[None] | None = None
@@ -124,12 +142,14 @@ class WorkerPool:
         self.heartbeat_interval = min(
             self.heartbeat_interval, float(options.get("heartbeat_interval", 30.0))
         )
-        for _ in range(self.size):
-            self._spawn()
+        self.execution_timeout = float(options.get("execution_timeout", self.execution_timeout))
+        self._fill()
         self._heartbeats = asyncio.ensure_future(self._heartbeat_forever())
 
     async def stop(self, grace: float = 5.0) -> None:
         self._stopping = True
+        if self._respawn is not None:
+            self._respawn.cancel()
         if self._heartbeats is not None:
             self._heartbeats.cancel()
             await asyncio.gather(self._heartbeats, return_exceptions=True)
@@ -163,6 +183,10 @@ class WorkerPool:
 
     def describe(self) -> dict[str, Any]:
         return {
+            "size": self.size,
+            "alive": len(self._workers),
+            "spawn_failures": self.spawn_failures,
+            "spawn_error": self.spawn_error,
             "workers": [
                 {"pid": w.process.pid, "busy": w.job is not None, "executed": w.executed}
                 for w in self._workers
@@ -175,15 +199,46 @@ class WorkerPool:
             "reclaimed": len(self.reclaimed),
         }
 
+    def _fill(self) -> None:
+        """Spawn workers up to the pool's size. A spawn that fails (EMFILE, EAGAIN, no
+        memory) is retried with backoff, and the pool says it is short meanwhile."""
+        self._respawn = None
+        while len(self._workers) < self.size and not self._stopping:
+            try:
+                self._spawn()
+            except OSError as exc:
+                self.spawn_failures += 1
+                self.spawn_error = f"{type(exc).__name__}: {exc}"
+                _log.error(
+                    "worker spawn failed (%s): the pool has %d of %d workers; retrying in %.1f s",
+                    self.spawn_error,
+                    len(self._workers),
+                    self.size,
+                    self._spawn_delay,
+                )
+                self._respawn = asyncio.get_running_loop().call_later(self._spawn_delay, self._fill)
+                self._spawn_delay = min(self._spawn_delay * 2, SPAWN_RETRY_MAX)
+                return
+        if self.spawn_error is not None and len(self._workers) == self.size:
+            _log.warning("the pool is back to %d workers", self.size)
+        self.spawn_error = None
+        self._spawn_delay = SPAWN_RETRY_FIRST
+        self._assign()
+
     def _spawn(self) -> _Worker:
         parent, child = self._context.Pipe()
-        process = self._context.Process(
-            target=worker_main,
-            args=(self.app_ref, self.socket_path, child, self.shm_threshold),
-            daemon=True,
-        )
-        process.start()
-        child.close()
+        try:
+            process = self._context.Process(
+                target=worker_main,
+                args=(self.app_ref, self.socket_path, child, self.shm_threshold),
+                daemon=True,
+            )
+            process.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
         worker = _Worker(process, parent)
         self._workers.append(worker)
         loop = asyncio.get_running_loop()
@@ -272,6 +327,7 @@ class WorkerPool:
             ):
                 job = self._backlog.popleft()
                 worker.job = job
+                job.started_at = asyncio.get_running_loop().time()
                 try:
                     worker.conn.send_bytes(job.blob)
                 except (OSError, ValueError):
@@ -292,6 +348,8 @@ class WorkerPool:
             worker.draining_since = asyncio.get_running_loop().time()
             return
         if message == b"done":
+            if worker.job is not None:
+                self._deaths.pop(worker.job.path, None)  # it ran to its end
             worker.job = None
             worker.draining_since = None
             worker.executed += 1
@@ -327,22 +385,48 @@ class WorkerPool:
         with contextlib.suppress(OSError):
             worker.conn.close()
         if worker.job is not None:
-            self._reclaim(worker.job)
+            self._reclaim(worker.job, worker.process.exitcode)
         if not self._stopping:
             if worker.retiring:
                 self.recycled += 1
             else:
                 self.replaced += 1
-            self._spawn()
-            self._assign()
+            self._fill()
 
-    def _reclaim(self, job: _Job) -> None:
-        """The worker died holding `job`: take the item out at once and call its cancel path."""
-        removed = self.store.cancel(job.queue_id)
+    def _reclaim(self, job: _Job, exitcode: int | None) -> None:
+        """The worker died holding `job`: take the item out at once and call its cancel
+        path. Its waiters' retry runs it again, unless it has now killed
+        `max_worker_deaths` workers: then it fails for every waiter, saying so."""
         self.reclaimed.append(job.queue_id)
+        outcome = None
+        if not (job.timed_out or job.abandoned):
+            # Counted until the query succeeds: a new request for it after it failed
+            # fails at its first death, not N more.
+            deaths = self._deaths.pop(job.path, 0) + 1
+            self._deaths[job.path] = deaths
+            while len(self._deaths) > 10_000:
+                self._deaths.popitem(last=False)
+            # Its waiters are told at once and ask again together (one new item).
+            outcome = encode_retry(
+                f"the worker running the query died (exit code {exitcode}); it runs again"
+            )
+            if deaths >= self.max_worker_deaths:
+                _log.error(
+                    "query %s killed its worker %d times (last exit code %s): it fails",
+                    job.path,
+                    deaths,
+                    exitcode,
+                )
+                outcome = encode_error(
+                    WorkerLostError(
+                        f"the query killed its worker {deaths} times (last exit code "
+                        f"{exitcode}): not run again"
+                    )
+                )
+        removed = self.store.cancel(job.queue_id, result=outcome)
         if removed is None:
             return
-        _log.warning("worker died: reclaimed queue item %s", job.queue_id)
+        _log.warning("worker died: reclaimed queue item %s (%s)", job.queue_id, job.path)
         definition = orjson.loads(removed.payload)
         if removed.extra:
             with contextlib.suppress(ValueError):
@@ -358,10 +442,13 @@ class WorkerPool:
             self.poke()  # also reaps orphaned and stalled items when nothing else happens
 
     def beat(self) -> None:
-        """One heartbeat round (a steppable loop): keep held and waiting items alive, and
-        stop workers that still run an item someone removed (cancelled, timed out, reaped)."""
+        """One heartbeat round (a steppable loop): keep held and waiting items alive, stop
+        workers that still run an item someone removed (cancelled, timed out, reaped), and
+        enforce the execution timeout on workers that cannot enforce it themselves."""
         loop_time = asyncio.get_running_loop().time()
         for worker in list(self._workers):
+            if self._overdue(worker, loop_time):
+                continue
             if (
                 worker.draining_since is not None
                 and loop_time - worker.draining_since >= self.cancel_grace
@@ -394,6 +481,35 @@ class WorkerPool:
                 worker.process.kill()  # its exit handler replaces it
         for job in self._backlog:
             self._heartbeat(job.queue_id)
+
+    def _overdue(self, worker: _Worker, loop_time: float) -> bool:
+        """A query past its execution timeout and the cancel grace: the worker did not stop
+        it (stopped, stuck holding the GIL): fail it for every waiter with the timeout
+        error, and terminate the worker (it is replaced)."""
+        job = worker.job
+        if job is None or job.started_at is None or job.timed_out:
+            return False
+        if loop_time - job.started_at < self.execution_timeout + self.cancel_grace:
+            return False
+        job.timed_out = True
+        _log.error(
+            "worker %s ran %s past its execution timeout of %s s: terminated",
+            worker.process.pid,
+            job.path,
+            self.execution_timeout,
+        )
+        self.store.cancel(
+            job.queue_id,
+            result=encode_error(
+                QueryTimeoutError(
+                    f"Query execution timeout after {self.execution_timeout:g} s "
+                    f"(the worker did not stop it: terminated)"
+                )
+            ),
+        )
+        self.terminated += 1
+        worker.process.kill()  # SIGKILL ends a stopped process too; its exit replaces it
+        return True
 
     def _heartbeat(self, queue_id: QueueId) -> bool:
         try:
@@ -428,13 +544,34 @@ def worker_main(app_ref: str, socket_path: str, conn: Any, shm_threshold: int | 
     # Ctrl-C reaches the whole process group: the supervisor stops its workers itself, so
     # a worker neither dies mid-query nor prints a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    supervisor = os.getppid()
+    _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"worker {os.getpid()}: %(message)s")
-    asyncio.run(_worker_loop(app_ref, socket_path, conn, shm_threshold))
+    asyncio.run(_worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor))
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: the kernel sends SIGTERM when the supervisor dies, whatever
+    happens to the pipe (Linux only; elsewhere the pipe's EOF alone tells)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 async def _worker_loop(
-    app_ref: str, socket_path: str, conn: Any, shm_threshold: int | None
+    app_ref: str, socket_path: str, conn: Any, shm_threshold: int | None, supervisor: int
 ) -> None:
+    """Run what the supervisor hands over, one query at a time.
+
+    When the supervisor dies (the pipe's EOF, or SIGTERM from PR_SET_PDEATHSIG) the worker
+    takes no more work and finishes the query in hand: its ACK goes to a supervisor that is
+    back on the socket within the client's reconnect timeout (no work lost), else the item
+    is reclaimed as stalled by the next one. Then it exits."""
+    import signal
+
     from queryqueue.supervisor.app import load_app
     from queryqueue.supervisor.client import SocketQueueDriver
 
@@ -444,30 +581,44 @@ async def _worker_loop(
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue[bytes] = asyncio.Queue()
 
+    def gone() -> None:
+        # Read once: an fd at EOF stays readable, and a reader left on it spins the loop.
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_reader(conn.fileno())
+        arrived.put_nowait(b"")
+
     def readable() -> None:
         try:
             message = conn.recv_bytes()
         except (EOFError, OSError):
-            message = b""
+            gone()
+            return
         if message.startswith(_CANCEL):
             queue.cancel_execution(orjson.loads(message[1:]))
         else:
             arrived.put_nowait(message)
 
     loop.add_reader(conn.fileno(), readable)
+    loop.add_signal_handler(signal.SIGTERM, gone)
+    if os.getppid() != supervisor:  # it died before PR_SET_PDEATHSIG was in place
+        gone()
     try:
         while True:
             blob = await arrived.get()
             if not blob:
                 break
             await queue.execute_query(decode_retrieved(blob[1:]))
-            if queue.handler_threads:
-                # A cancelled or timed-out sync handler is still running: take no more work;
-                # the pool terminates this process unless the thread ends within the grace.
-                conn.send_bytes(b"draining")
-                await asyncio.to_thread(queue.wait_for_handler_threads)
-            conn.send_bytes(b"done")
+            with contextlib.suppress(OSError, ValueError):
+                if queue.handler_threads:
+                    # A cancelled or timed-out sync handler is still running: take no more
+                    # work; the pool terminates this process unless the thread ends within
+                    # the grace.
+                    conn.send_bytes(b"draining")
+                    await asyncio.to_thread(queue.wait_for_handler_threads)
+                conn.send_bytes(b"done")
     finally:
-        loop.remove_reader(conn.fileno())
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_reader(conn.fileno())
+        loop.remove_signal_handler(signal.SIGTERM)
         await queue.close(grace=0)
         await driver.close()

@@ -1,0 +1,203 @@
+"""The worker pool when things go wrong on purpose: spawns that fail, a query that kills
+its worker, a worker that is stopped, a supervisor that dies under its workers."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+import psutil
+import pytest
+
+from queryqueue import (
+    MemoryQueueStore,
+    QueryTimeoutError,
+    SocketQueueDriver,
+    SqliteQueueStore,
+    WorkerLostError,
+)
+from queryqueue.supervisor.pool import WorkerPool
+from tests.apps.harsh_app import app
+from tests.supervisor_util import SupervisorProcess, start_supervisor
+from tests.trace import read_trace
+from tests.waiting import wait_until
+
+APP = "tests.apps.harsh_app:app"
+
+
+@pytest.fixture
+async def harsh(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SupervisorProcess]:
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = start_supervisor(
+        workdir / "queue.db",
+        workdir / "s.sock",
+        "--app",
+        APP,
+        "--workers",
+        "2",
+        "--cancel-grace",
+        "1",
+    )
+    app.socket_path = supervisor.socket_path
+    try:
+        yield supervisor
+    finally:
+        await app.aclose(grace=0)
+        if supervisor.process.poll() is None:
+            assert supervisor.stop() == 0
+
+
+async def _pool(supervisor: SupervisorProcess) -> dict[str, Any]:
+    driver = SocketQueueDriver(supervisor.socket_path)
+    try:
+        return dict((await driver.stats())["pool"])
+    finally:
+        await driver.close()
+
+
+def _starts(workdir: Path, key: str) -> list[list[str]]:
+    return [t for t in read_trace(workdir) if t[0] == "start" and t[1] == key]
+
+
+async def test_a_query_that_kills_its_worker_three_times_fails_for_every_waiter(
+    harsh: SupervisorProcess, workdir: Path
+) -> None:
+    waiters = [app.run("suicide", "doom", {"key": "doom"}, timeout=60) for _ in range(2)]
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    assert [type(o) for o in outcomes] == [WorkerLostError] * 2
+    assert "killed its worker 3 times" in str(outcomes[0])
+    assert len(_starts(workdir, "doom")) == 3  # not a fourth time
+    await wait_until(lambda: _pool_size(harsh, 2), within=30, what="workers replaced")
+    assert (await _pool(harsh))["replaced"] == 3
+    assert "killed its worker 3 times" in harsh.log.read_text()
+    assert f"harsh:{app.client_queue().redis_hash('doom')}" in harsh.log.read_text()
+
+
+async def _pool_size(supervisor: SupervisorProcess, size: int) -> bool:
+    return bool((await _pool(supervisor))["alive"] == size)
+
+
+async def test_a_stopped_worker_is_timed_out_by_the_supervisor_and_replaced(
+    harsh: SupervisorProcess, workdir: Path
+) -> None:
+    waiters = [
+        asyncio.ensure_future(app.run("sleep", "stuck", {"key": "stuck", "seconds": 30}))
+        for _ in range(2)
+    ]
+    await wait_until(lambda: _starts(workdir, "stuck"), within=30, what="started")
+    victim = int(_starts(workdir, "stuck")[0][2])
+    os.kill(victim, signal.SIGSTOP)  # it cannot enforce its own timeout now
+    try:
+        outcomes = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 30)
+    finally:
+        if psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGCONT)
+    assert [type(o) for o in outcomes] == [QueryTimeoutError] * 2
+    assert "the worker did not stop it" in str(outcomes[0])
+    await wait_until(lambda: not psutil.pid_exists(victim) or _zombie(victim), within=10)
+    await wait_until(lambda: _pool_size(harsh, 2), within=30, what="replaced")
+    assert (await _pool(harsh))["terminated"] == 1
+    assert len(_starts(workdir, "stuck")) == 1
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_a_worker_whose_supervisor_dies_finishes_its_query_without_spinning(
+    harsh: SupervisorProcess, workdir: Path
+) -> None:
+    caller = asyncio.ensure_future(app.run("sleep", "orphan", {"key": "orphan", "seconds": 2}))
+    await wait_until(lambda: _starts(workdir, "orphan"), within=30, what="started")
+    worker = psutil.Process(int(_starts(workdir, "orphan")[0][2]))
+    queue_id = next(
+        q["queueId"] for q in await app.client_queue().get_queries() if q["status"] == ["active"]
+    )
+    harsh.kill9()
+    # Its supervisor is gone: the worker waits for its query, it does not spin.
+    assert worker.cpu_percent(interval=1.0) < 30.0
+    # A supervisor back on the socket gets the finished query's ACK: no work lost.
+    back = start_supervisor(workdir / "queue.db", harsh.socket_path)
+    try:
+        await wait_until(lambda: not worker.is_running() or _zombie(worker.pid), within=40)
+        store = SqliteQueueStore(workdir / "queue.db")
+        try:
+            found = store.result(queue_id)
+        finally:
+            store.close()
+        assert found is not None and '"slept":2' in str(found.payload)
+    finally:
+        assert back.stop() == 0
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+    assert len(_starts(workdir, "orphan")) == 1
+
+
+class _FlakyContext:
+    """multiprocess's spawn context, but the first `failures` spawns fail with EMFILE and
+    the processes are stand-ins (no real worker is needed to count them)."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.started = 0
+
+    def Pipe(self) -> Any:
+        return multiprocess.get_context("spawn").Pipe()
+
+    def Process(self, **_: Any) -> _StandIn:
+        return _StandIn(self)
+
+
+class _StandIn:
+    def __init__(self, context: _FlakyContext) -> None:
+        self.context = context
+        self._read, self._write = os.pipe()
+        self.sentinel = self._read
+        self.pid = 4_000_000 + context.started
+        self.exitcode: int | None = None
+
+    def start(self) -> None:
+        if self.context.failures:
+            self.context.failures -= 1
+            os.close(self._read)
+            os.close(self._write)
+            raise OSError(errno.EMFILE, "Too many open files")
+        self.context.started += 1
+
+    def is_alive(self) -> bool:
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+async def test_failed_spawns_are_retried_and_the_pool_says_it_is_short(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    context = _FlakyContext(failures=3)
+    pool = WorkerPool(APP, "/tmp/unused.sock", MemoryQueueStore(), workers=2, context=context)
+    with caplog.at_level("WARNING", logger="queryqueue.pool"):
+        await pool.start()
+        try:
+            short = pool.describe()
+            assert short["alive"] == 0 and short["size"] == 2
+            assert "Too many open files" in str(short["spawn_error"])
+            await wait_until(lambda: pool.describe()["alive"] == 2, within=10, what="refilled")
+            assert pool.describe()["spawn_failures"] == 3
+            assert pool.describe()["spawn_error"] is None
+        finally:
+            await pool.stop(grace=0)
+    assert "worker spawn failed (OSError: [Errno 24] Too many open files)" in caplog.text
+    assert "the pool has 0 of 2 workers" in caplog.text
