@@ -9,6 +9,7 @@ them to the process that owns the store. Signatures and semantics are those of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from queryqueue.engine.memory_store import MemoryQueueStore
@@ -112,6 +113,12 @@ class QueueDriver(Protocol):
     async def hand_off(self, prefix: str, retrieved: RetrievedQuery) -> bool:
         """Run a retrieved query elsewhere (a supervisor's worker pool) if this driver can:
         True once it is accepted there; False and the caller's process runs it."""
+        ...
+
+    async def watch_slots(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` whenever a slot of `prefix` may have freed (an ACK or CANCEL by
+        anyone); returns the function that stops it. For a process that alone may
+        retrieve some items (its streams): nobody else reconciles for it."""
         ...
 
     async def close(self) -> None: ...
@@ -242,6 +249,11 @@ class LocalQueueDriver:
 
     async def hand_off(self, prefix: str, retrieved: RetrievedQuery) -> bool:
         return False  # no pool behind a store in this process
+
+    async def watch_slots(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        watchers = self.store.slot_watchers
+        watchers.add(callback)
+        return lambda: watchers.discard(callback)
 
     async def close(self) -> None:
         """The store belongs to whoever made it: it is not closed here."""

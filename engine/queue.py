@@ -937,13 +937,22 @@ class QueryQueue:
         stream = self.streams.get(query_key_hash)
         if stream is not None:
             return stream
+
         # Only this process may retrieve its stream item, and other processes' ACKs do not
-        # reconcile on its behalf: look again every long-poll period while waiting.
-        for _ in range(10):
-            try:
-                return await wait_within(waiter, self.continue_wait_timeout)
-            except TimeoutError:
-                await self.reconcile_queue()
+        # reconcile on its behalf: look again whenever a slot frees (the driver says so),
+        # and every long-poll period should a nudge be missed.
+        def nudged() -> None:
+            self._spawn(self.reconcile_queue())
+
+        stop_watching = await self.driver.watch_slots(self.prefix, nudged)
+        try:
+            for _ in range(10):
+                try:
+                    return await wait_within(waiter, self.continue_wait_timeout)
+                except TimeoutError:
+                    await self.reconcile_queue()
+        finally:
+            stop_watching()
         raise ContinueWaitError()
 
     # -- lifecycle ----------------------------------------------------------------------------

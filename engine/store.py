@@ -262,6 +262,9 @@ class QueueStore(ABC):
         self.clock: Clock = clock or SystemClock()
         self.result_ttl_ms = result_ttl_ms
         self.waiters = ResultWaiters()
+        # Called once an ACK or CANCEL committed: a slot may be free. For processes that
+        # alone may retrieve some items (their streams): nobody reconciles for them.
+        self.slot_watchers: set[Callable[[], None]] = set()
 
     @abstractmethod
     def _atomic(self) -> AbstractContextManager[StoreTransaction]:
@@ -495,6 +498,11 @@ class QueueStore(ABC):
         self._after_commit(
             lambda: self.waiters.publish(AckEvent(item.id, item.path, result, item.external_id))
         )
+        self._after_commit(self._slot_freed)
+
+    def _slot_freed(self) -> None:
+        for watcher in list(self.slot_watchers):
+            watcher()
 
     def result(
         self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
@@ -615,6 +623,7 @@ class QueueStore(ABC):
                 return None
             if result is None:
                 tx.delete(item)
+                self._after_commit(self._slot_freed)
             else:
                 self._complete(tx, item, result)
         return QueryDefResponse(payload=item.payload, extra=item.extra)

@@ -16,6 +16,17 @@ MAX_PATH_LENGTH = 512
 MAX_PREFIX_LENGTH = 255
 MAX_EXTERNAL_ID_LENGTH = 48  # Cube Store's limit
 MAX_PROCESS_ID_LENGTH = 96  # Cube Store's limit
+# Numbers every store can hold (a 64-bit integer, also after adding a clock reading).
+MAX_QUEUE_ID = 2**63 - 1
+MAX_MS = 100 * 365 * 24 * 3600 * 1000  # a hundred years
+MAX_CONCURRENCY = 1_000_000
+
+
+def _no_nul(name: str, text: str) -> str:
+    # PostgreSQL's text cannot hold NUL; refused everywhere, so every store agrees.
+    if "\x00" in text:
+        raise InvalidCommandError(f"{name} must not contain a NUL character")
+    return text
 
 
 def check_priority(priority: Any) -> int:
@@ -35,7 +46,7 @@ def check_prefix(prefix: Any) -> str:
         raise InvalidCommandError(
             f"prefix is {len(prefix)} characters, the limit is {MAX_PREFIX_LENGTH}"
         )
-    return prefix
+    return _no_nul("prefix", prefix)
 
 
 def split_path(path: Any) -> tuple[str, str]:
@@ -52,6 +63,7 @@ def split_path(path: Any) -> tuple[str, str]:
     if not key:
         raise InvalidCommandError(f"path {path!r} has an empty key after the last ':'")
     check_prefix(prefix)
+    _no_nul("path", key)
     return prefix, key
 
 
@@ -60,8 +72,8 @@ def check_key(key: Any) -> QueueKey:
     if isinstance(key, bool):
         raise InvalidCommandError("queue key must be a path or an integer id, got bool")
     if isinstance(key, int):
-        if key < 1:
-            raise InvalidCommandError(f"queue id must be positive, got {key}")
+        if not 1 <= key <= MAX_QUEUE_ID:
+            raise InvalidCommandError(f"queue id must be between 1 and {MAX_QUEUE_ID}, got {key}")
         return key
     split_path(key)
     return key  # type: ignore[no-any-return]
@@ -92,7 +104,7 @@ def check_external_id(external_id: Any) -> str | None:
         raise InvalidCommandError(
             f"external id is {len(external_id)} characters, the limit is {MAX_EXTERNAL_ID_LENGTH}"
         )
-    return external_id
+    return _no_nul("external id", external_id)
 
 
 def check_process_id(process_id: Any) -> str | None:
@@ -104,7 +116,7 @@ def check_process_id(process_id: Any) -> str | None:
         raise InvalidCommandError(
             f"process id is {len(process_id)} characters, the limit is {MAX_PROCESS_ID_LENGTH}"
         )
-    return process_id
+    return _no_nul("process id", process_id)
 
 
 def check_non_negative_ms(name: str, value: Any, *, nullable: bool = False) -> int | None:
@@ -114,8 +126,8 @@ def check_non_negative_ms(name: str, value: Any, *, nullable: bool = False) -> i
         raise InvalidCommandError(f"{name} is missing")
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidCommandError(f"{name} must be an integer number of milliseconds")
-    if value < 0:
-        raise InvalidCommandError(f"{name} must not be negative, got {value}")
+    if not 0 <= value <= MAX_MS:
+        raise InvalidCommandError(f"{name} must be between 0 and {MAX_MS} ms, got {value}")
     return value
 
 
@@ -125,14 +137,18 @@ def check_orphaned_seconds(value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidCommandError("orphaned timeout must be a number of seconds")
-    if not math.isfinite(value) or value < 0:
-        raise InvalidCommandError(f"orphaned timeout must be a non-negative number, got {value}")
+    if not math.isfinite(value) or not 0 <= value <= MAX_MS / 1000:
+        raise InvalidCommandError(
+            f"orphaned timeout must be between 0 and {MAX_MS // 1000} seconds, got {value}"
+        )
     return round(value * 1000)
 
 
 def check_concurrency(concurrency: Any) -> int:
     if not isinstance(concurrency, int) or isinstance(concurrency, bool):
         raise InvalidCommandError("concurrency must be an integer")
-    if concurrency < 1:
-        raise InvalidCommandError(f"concurrency must be at least 1, got {concurrency}")
+    if not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise InvalidCommandError(
+            f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {concurrency}"
+        )
     return concurrency

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,10 +96,15 @@ class _Link:
     """One connection, owned by one process and one event loop."""
 
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame: int
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        max_frame: int,
+        on_nudge: Callable[[str], None] = lambda prefix: None,
     ) -> None:
         self.reader = reader
         self.writer = writer
+        self.on_nudge = on_nudge
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.task = asyncio.ensure_future(self._read(max_frame))
         self.alive = True
@@ -111,6 +117,9 @@ class _Link:
                 if body is None:
                     break
                 reply = orjson.loads(body)
+                if isinstance(reply, dict) and isinstance(reply.get("nudge"), str):
+                    self.on_nudge(reply["nudge"])  # unsolicited: a slot of a watched prefix
+                    continue
                 reply_id = reply.get("id") if isinstance(reply, dict) else None
                 future = self.pending.pop(reply_id, None) if isinstance(reply_id, int) else None
                 if future is not None and not future.done():
@@ -181,6 +190,7 @@ class SocketQueueDriver:
         self._closed = False
         # Prefixes the supervisor's worker pool runs (its hello says so on every connect).
         self.pool_prefixes: frozenset[str] = frozenset()
+        self._slot_watchers: dict[str, set[Callable[[], None]]] = {}
 
     # -- connection --------------------------------------------------------------------------
 
@@ -216,7 +226,7 @@ class SocketQueueDriver:
         while True:
             try:
                 reader, writer = await self._open()
-                link = _Link(reader, writer, self.max_frame)
+                link = _Link(reader, writer, self.max_frame, self._nudged)
                 try:
                     if self.tcp_address is not None:
                         await self._authenticate(link)
@@ -239,6 +249,8 @@ class SocketQueueDriver:
         if "error" in reply:
             raise_error(reply["error"])
         self.pool_prefixes = frozenset(reply["ok"].get("pool", ()))
+        for prefix in list(self._slot_watchers):  # a new connection: watch again
+            link.send(encode_frame({"id": next(self._ids), "cmd": "watch", "args": [prefix]}))
         return link
 
     @property
@@ -314,6 +326,24 @@ class SocketQueueDriver:
             raise_error(reply["error"])
         rows: list[dict[str, Any]] = reply.get("rows", [])
         return rows
+
+    async def watch_slots(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` when a slot of `prefix` may have freed (the supervisor's nudge
+        after an ACK or CANCEL); returns the function that stops it."""
+        watchers = self._slot_watchers.setdefault(prefix, set())
+        first = not watchers
+        watchers.add(callback)
+        if first:
+            await self.call("watch", prefix)
+
+        def stop() -> None:
+            watchers.discard(callback)
+
+        return stop
+
+    def _nudged(self, prefix: str) -> None:
+        for callback in list(self._slot_watchers.get(prefix, ())):
+            callback()
 
     async def hand_off(self, prefix: str, retrieved: RetrievedQuery) -> bool:
         """Give a retrieved query to the supervisor's pool, if it runs this prefix's."""

@@ -32,7 +32,7 @@ from queryqueue.engine.errors import (
 )
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QUEUE_COMMANDS, QueueStore
-from queryqueue.engine.validation import check_key, check_process_id
+from queryqueue.engine.validation import check_key, check_prefix, check_process_id
 from queryqueue.supervisor import guard, sqltext
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
@@ -113,6 +113,9 @@ class _Connection:
     # Answers of one loop iteration (a batch) leave in one write: a syscall per answer
     # was a fifth of the supervisor's time.
     outbox: list[bytes] = field(default_factory=list)
+    # Prefixes whose freed slots this connection wants to hear of (a process waiting to
+    # retrieve its own stream item: nobody else may retrieve it for it).
+    watching: set[str] = field(default_factory=set)
 
     def send(self, message: dict[str, Any]) -> None:
         if self.closed or self.writer.is_closing():
@@ -218,6 +221,8 @@ class QueueServer:
         self._shapes: dict[str, _Shape] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._socket_lock: guard.Lock | None = None
+        self._nudge_scheduled = False
+        store.slot_watchers.add(self._nudge_soon)
         self._socket_identity: tuple[int, int] | None = None
 
     async def start(self) -> None:
@@ -450,6 +455,12 @@ class QueueServer:
                 self._dispatch(args)
                 connection.send({"id": request_id, "ok": True})
                 return None
+            if method == "watch":
+                if len(args) != 1:
+                    raise InvalidCommandError("watch: takes a prefix")
+                connection.watching.add(check_prefix(args[0]))
+                connection.send({"id": request_id, "ok": True})
+                return None
             if method not in COMMANDS:
                 raise InvalidCommandError(f"unknown command {method!r}")
         if method in _TAKES_PROCESS_ID and "process_id" not in kwargs:
@@ -557,6 +568,18 @@ class QueueServer:
             request.connection.send({"id": request.id, "rows": request.rows(answer)})
         else:
             request.connection.send({"id": request.id, "ok": answer})
+
+    def _nudge_soon(self) -> None:
+        """A slot may have freed: tell the watching connections, once per loop turn."""
+        if not self._nudge_scheduled and self._connections:
+            self._nudge_scheduled = True
+            asyncio.get_running_loop().call_soon(self._nudge)
+
+    def _nudge(self) -> None:
+        self._nudge_scheduled = False
+        for connection in self._connections:
+            for prefix in connection.watching:
+                connection.send({"id": None, "nudge": prefix})
 
     def _lease_result(self, request: _Request, answer: Any) -> Any:
         """A shared-memory result is readable by this connection until it releases it."""

@@ -16,8 +16,9 @@ one:
   lease is left and a short grace (a re-sent read) has passed;
 * a result nobody reads is dropped with the store's result TTL;
 * after a supervisor crash the segments are still in /dev/shm: the next supervisor on
-  the same socket adopts them (their header carries the generation) so acknowledged
-  results stay readable, and unlinks them as usual.
+  the same socket adopts those of acknowledged results nobody has read yet (the header
+  carries the generation, and marks a delivered one) so they stay readable, and unlinks
+  the rest; a graceful stop unlinks every segment.
 
 Segments are reused (power-of-two size classes, pre-touched when created, mapped with
 MAP_POPULATE): a fresh segment per result costs page faults that make it no faster than
@@ -58,6 +59,9 @@ DEFAULT_MAX_CONNECTION = 1024 * 1024 * 1024
 MIN_SEGMENT = 1024 * 1024
 HEADER = struct.Struct("<8sQ")  # magic, generation
 MAGIC = b"qqresult"
+# The same segment once delivered to a reader: a supervisor that adopts segments after a
+# crash leaves these (whoever waited has it), so a read result never outlives its reader.
+MAGIC_READ = b"qqresred"
 REFERENCE_MARK = '{"$shm":'
 SHM_DIR = Path("/dev/shm")
 
@@ -261,6 +265,7 @@ class SegmentPool:
             return False
         segment.readers[reader] += 1
         segment.delivered_at = self.clock()
+        HEADER.pack_into(segment.memory, 0, MAGIC_READ, segment.generation)
         return True
 
     def release(self, name: Any, generation: Any, reader: object) -> None:
@@ -334,7 +339,7 @@ class SegmentPool:
             except OSError:
                 continue
             magic, generation = HEADER.unpack_from(memory, 0)
-            if magic != MAGIC or generation <= 0:
+            if magic != MAGIC or generation <= 0:  # free, being written, or read already
                 memory.close()
                 _unlink(path.name)
                 continue
@@ -345,11 +350,11 @@ class SegmentPool:
             adopted += 1
         return adopted
 
-    def close(self, *, keep_stored: bool = True) -> None:
-        """At shutdown: unlink all but stored results nobody has read (the next supervisor
-        adopts those, so an acknowledged result survives a restart)."""
+    def close(self, *, keep_stored: bool = False) -> None:
+        """At shutdown: unlink every segment. `keep_stored` keeps stored results nobody has
+        read, for a supervisor that will adopt them (a test of adoption does)."""
         for segment in list(self._segments.values()):
-            if keep_stored and segment.state == "stored" and segment.delivered_at is None:
+            if keep_stored and segment.state == "stored":
                 segment.memory.close()
                 continue
             self._destroy(segment)
@@ -446,4 +451,4 @@ class SegmentMaps:
 
 def _generation(memory: mmap.mmap) -> int:
     magic, generation = HEADER.unpack_from(memory, 0)
-    return int(generation) if magic == MAGIC else -1
+    return int(generation) if magic in (MAGIC, MAGIC_READ) else -1

@@ -209,6 +209,10 @@ async def _pending_count(queue: QueryQueue, expected: int) -> bool:
     return len(await queue.driver.pending(PREFIX)) == expected
 
 
+async def _owned_pending(queue: QueryQueue) -> bool:
+    return len(await queue.driver.pending(PREFIX, process_id=queue.process_uid)) == 1
+
+
 async def _items(queue: QueryQueue) -> list[ListResponse]:
     return await queue.driver.list_items(PREFIX, process_id=queue.process_uid)
 
@@ -854,3 +858,29 @@ async def test_reconcile_calls_made_before_the_run_started_still_cause_one_more(
     # it has started. Cube: exactly one more run, not none.
     await asyncio.gather(*(queue.reconcile_queue() for _ in range(10)))
     assert runs == 2
+
+
+async def test_a_stream_owner_is_nudged_when_a_slot_frees_not_a_long_poll_later(
+    make_queue: MakeQueue, rec: Recorder
+) -> None:
+    other = make_queue(query_handlers={"sql": rec.gated}, concurrency=1)
+    rows: list[int] = []
+
+    async def stream_rows(query: Any, stream: QueryStream) -> None:
+        for i in range(3):
+            await stream.write(i)
+
+    # A 30 s long poll: only a nudge can start the stream within the wait below.
+    owner = make_queue(
+        query_handlers={}, stream_handler=stream_rows, concurrency=1, continue_wait_timeout=30
+    )
+    busy = asyncio.create_task(other.execute_in_queue("sql", "busy", "busy"))
+    await wait_until(lambda: rec.running == 1)
+    asking = asyncio.create_task(owner.execute_in_queue("stream", "mine", {}))
+    # Behind the budget; nobody but its owner may retrieve it.
+    await wait_until(lambda: _owned_pending(owner))
+    rec.gate.set()
+    stream = await asyncio.wait_for(asking, 10)
+    rows = await stream.rows()
+    assert rows == [0, 1, 2]
+    assert await busy == {"echo": "busy"}

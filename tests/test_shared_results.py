@@ -152,18 +152,22 @@ def test_the_free_pool_is_trimmed_and_bad_sizes_are_refused(prefix: str) -> None
     assert _segments(prefix) == []
 
 
-def test_a_restarted_supervisor_adopts_acknowledged_results(prefix: str) -> None:
+def test_a_restarted_supervisor_adopts_only_unread_acknowledged_results(prefix: str) -> None:
     maps = SegmentMaps()
     first = SegmentPool(prefix, clock=Clock())
     ref = _write(first, maps, b'{"result":"survives"}', "worker")
     first.acked(ref, success=True)
+    read = _write(first, maps, b'{"result":"was read"}', "worker")
+    first.acked(read, success=True)
+    assert first.lease(read, "a reader")  # delivered: its reader has it
     first.alloc(10, "someone")
     first.drop_owner("someone")  # a free segment: not worth keeping
-    first.close()  # what a crash leaves behind, minus the free ones
+    first.close(keep_stored=True)  # what a crash leaves behind, minus the free ones
     maps.close()
-    assert len(_segments(prefix)) == 1
+    assert len(_segments(prefix)) == 2
     second = SegmentPool(prefix, clock=Clock())
     assert second.adopt() == 1
+    assert len(_segments(prefix)) == 1  # the read one is gone
     assert second.lease(ref, "reader")
     parsed = parse_reference(ref)
     assert parsed is not None
@@ -229,6 +233,18 @@ async def test_a_reader_that_hangs_up_holding_a_lease_releases_it(server: QueueS
     stream.close()  # dies without a release
     await wait_until(lambda: _swept_free(server) == 1)
     await writer.close()
+
+
+async def test_a_graceful_stop_releases_every_segment_even_unread_ones(workdir: Path) -> None:
+    server = QueueServer(MemoryQueueStore(), workdir / "s.sock")
+    await server.start()
+    writer = SocketQueueDriver(server.socket_path, shm_threshold=MiB)
+    added = await writer.add("p:unread", "{}")
+    assert (await writer.ack(added.id, orjson.dumps({"result": "u" * (2 * MiB)}).decode())).success
+    await writer.close()
+    assert server.segments.describe()["stored"] == 1
+    await server.stop()
+    assert _segments(server.segments.prefix) == []
 
 
 async def test_small_results_and_a_disabled_threshold_stay_inline(server: QueueServer) -> None:

@@ -607,6 +607,20 @@ BAD_CALLS = [
     ("negative stalled timeout", lambda s: s.stalled(-5, P), "heartbeat timeout"),
     ("negative pending limit", lambda s: s.pending(P, limit=-1), "limit"),
     ("over-long process id", lambda s: s.list_items(P, process_id="p" * 97), "process id"),
+    # Numbers out of range are named, never an OverflowError from the store underneath.
+    ("huge orphaned", lambda s: s.add(path("x"), payload(), orphaned=1e308), "orphaned"),
+    ("queue id past 64 bits", lambda s: s.get(2**63), "queue id"),
+    ("ack id past 64 bits", lambda s: s.ack(2**63, None), "queue id"),
+    ("huge heartbeat timeout", lambda s: s.to_cancel(2**62, 10, P), "heartbeat timeout"),
+    ("huge concurrency", lambda s: s.retrieve(path("a"), concurrency=2**40), "concurrency"),
+    # NUL cannot be stored by PostgreSQL: every store refuses it the same way.
+    ("NUL in a prefix", lambda s: s.add("q\x00x:k", payload()), "prefix"),
+    ("NUL in a key", lambda s: s.add("q:k\x00", payload()), "path"),
+    (
+        "NUL in an external id",
+        lambda s: s.add(path("x"), payload(), external_id="e\x00"),
+        "external id",
+    ),
 ]
 
 
