@@ -117,7 +117,7 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"id": 8, "sql": "DELETE FROM items"}, "only QUEUE commands"),
     ({"id": 9, "sql": "QUEUE ADD 'p:k'"}, "missing payload"),
     ({"id": 10}, "needs a 'cmd'"),
-    ({"id": 11, "cmd": "result_blocking", "args": [1, -5]}, "timeout must not be negative"),
+    ({"id": 11, "cmd": "result_blocking", "args": [1, -5]}, "timeout must be between 0 and"),
     ({"id": 12, "cmd": "hello", "kwargs": {"process_id": 5}}, "process_id must be a string"),
 ]
 
