@@ -67,6 +67,7 @@ class Stats:
         self.kinds: dict[str, _Kind] = {}
         self.batches = 0
         self.batched_commands = 0
+        self.throttled = 0  # times a connection was not read until its client caught up
 
     def record(self, kind: str, seconds: float, ok: bool) -> None:
         entry = self.kinds.setdefault(kind, _Kind())
@@ -82,6 +83,7 @@ class Stats:
             "commands_total": total,
             "commands_per_s": round(total / uptime, 1) if uptime > 0 else 0.0,
             "mean_batch": round(self.batched_commands / self.batches, 2) if self.batches else 0.0,
+            "throttled": self.throttled,
             "commands": {
                 name: {
                     "count": k.count,
@@ -101,9 +103,24 @@ def _percentile(samples: deque[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one connection may cost the supervisor, whatever its client does."""
+
+    # Unsent answer bytes past which the connection is not read until its client catches
+    # up (a client that does not read its answers slows only itself).
+    high_water: int = 8 * 1024 * 1024
+    # Unsent answer bytes past which the connection is closed (above the frame limit, so
+    # one large answer alone never trips it).
+    hard_limit: int = 512 * 1024 * 1024
+    max_in_flight: int = 4096  # requests read and not yet answered
+    max_parked: int = 1024  # RESULT_BLOCKING long polls waiting at once
+
+
 @dataclass(eq=False)
 class _Connection:
     writer: asyncio.StreamWriter
+    limits: Limits = field(default_factory=Limits)
     # Unix-socket peers passed the socket's permissions; a TCP peer must send the token.
     authenticated: bool = True
     hang_up: bool = False  # refused: answered, then closed
@@ -116,6 +133,11 @@ class _Connection:
     # Prefixes whose freed slots this connection wants to hear of (a process waiting to
     # retrieve its own stream item: nobody else may retrieve it for it).
     watching: set[str] = field(default_factory=set)
+    in_flight: int = 0
+    answered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def buffered(self) -> int:
+        return self.writer.transport.get_write_buffer_size() + sum(map(len, self.outbox))
 
     def send(self, message: dict[str, Any]) -> None:
         if self.closed or self.writer.is_closing():
@@ -130,8 +152,13 @@ class _Connection:
 
     def flush(self) -> None:
         frames, self.outbox = self.outbox, []
+        self.answered.set()
         if frames and not self.closed and not self.writer.is_closing():
             self.writer.write(b"".join(frames))
+            if self.writer.transport.get_write_buffer_size() > self.limits.hard_limit:
+                # Its client reads nothing of what it asked for: cut it off, and free it all.
+                self.closed = True
+                self.writer.transport.abort()
 
 
 @dataclass(frozen=True)
@@ -193,6 +220,7 @@ class QueueServer:
         pool: WorkerPool | None = None,
         segments: SegmentPool | None = None,
         tcp_token: str | None = None,
+        limits: Limits | None = None,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
@@ -201,6 +229,7 @@ class QueueServer:
             # every payload and result.
             raise ValueError("the TCP listener needs an auth token (--auth-token-file)")
         self.tcp_token = tcp_token
+        self.limits = limits or Limits()
         self.store = store
         self.socket_path = Path(socket_path)
         self.tcp_host = tcp_host
@@ -317,10 +346,14 @@ class QueueServer:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
-        connection = _Connection(writer, authenticated=authenticated)
+        connection = _Connection(writer, self.limits, authenticated=authenticated)
+        writer.transport.set_write_buffer_limits(high=self.limits.high_water)
         self._connections.add(connection)
         try:
             while not self._stopping:
+                await self._throttle(connection)
+                if connection.closed:
+                    break
                 try:
                     body = await read_frame(reader, self.max_frame)
                 except FrameError as exc:
@@ -332,8 +365,6 @@ class QueueServer:
                 self._accept(connection, body)
                 if connection.hang_up:
                     break
-                if writer.transport.get_write_buffer_size() > 4 * 1024 * 1024:
-                    await writer.drain()  # a client that does not read slows only itself
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
@@ -347,6 +378,24 @@ class QueueServer:
                 writer.close()
             if task is not None:
                 self._handlers.discard(task)
+
+    async def _throttle(self, connection: _Connection) -> None:
+        """Read no more from a client while its unsent answers pass the high-water mark
+        or too many of its requests wait for theirs."""
+        limits = connection.limits
+        throttled = False
+        while not connection.closed and (
+            connection.buffered() > limits.high_water
+            or connection.in_flight >= limits.max_in_flight
+        ):
+            if not throttled:
+                throttled = True
+                self.stats.throttled += 1
+            if connection.writer.transport.get_write_buffer_size() > limits.high_water:
+                await connection.writer.drain()
+            else:
+                connection.answered.clear()
+                await connection.answered.wait()
 
     def _accept(self, connection: _Connection, body: bytes) -> None:
         request_id: Any = None
@@ -373,10 +422,18 @@ class QueueServer:
         if request is None:
             return
         if request.method == "result_blocking":
+            if len(connection.parked) >= connection.limits.max_parked:
+                error = InvalidCommandError(
+                    f"result_blocking: this connection has {len(connection.parked)} long "
+                    f"polls waiting, the limit is {connection.limits.max_parked}"
+                )
+                connection.send({"id": request.id, "error": error_payload(error)})
+                return
             parked = asyncio.ensure_future(self._result_blocking(request))
             connection.parked.add(parked)
             parked.add_done_callback(connection.parked.discard)
         else:
+            connection.in_flight += 1
             self._inbox.put_nowait(request)
 
     def _authenticate(
@@ -541,6 +598,7 @@ class QueueServer:
         now = time.monotonic()
         for request, (ok, answer) in zip(batch, answers, strict=True):
             self.stats.record(request.method, now - request.received, ok)
+            request.connection.in_flight -= 1
             self._answer(request, ok, answer)
 
     def _run(self, request: _Request) -> tuple[bool, Any]:

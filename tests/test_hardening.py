@@ -18,9 +18,10 @@ import orjson
 import pytest
 
 from queryqueue import AuthenticationError, MemoryQueueStore, SocketQueueDriver
-from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.protocol import read_frame
+from queryqueue.supervisor.server import Limits, QueueServer
 from tests.supervisor_util import REPO, start_supervisor
-from tests.waiting import wait_until_sync
+from tests.waiting import wait_until, wait_until_sync
 
 
 def _supervise(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -188,3 +189,95 @@ def test_a_stale_socket_of_a_dead_supervisor_is_replaced(workdir: Path) -> None:
     finally:
         if first.process.poll() is None:
             first.kill9()
+
+
+# -- what one connection may cost -------------------------------------------------------------
+
+
+def _request(i: int, cmd: str, *args: object) -> bytes:
+    body = orjson.dumps({"id": i, "cmd": cmd, "args": list(args)})
+    return struct.pack(">I", len(body)) + body
+
+
+def _read_replies(sock: socket.socket, count: int) -> list[dict[str, object]]:
+    data, replies = b"", list[dict[str, object]]()
+    while len(replies) < count:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        data += chunk
+        while len(data) >= 4 and len(data) >= 4 + struct.unpack(">I", data[:4])[0]:
+            (size,) = struct.unpack(">I", data[:4])
+            replies.append(orjson.loads(data[4 : 4 + size]))
+            data = data[4 + size :]
+    return replies
+
+
+async def test_a_client_that_does_not_read_is_not_read_either_and_loses_nothing(
+    workdir: Path,
+) -> None:
+    limits = Limits(high_water=64 * 1024, hard_limit=64 * 1024 * 1024, max_in_flight=32)
+    server = QueueServer(MemoryQueueStore(), workdir / "s.sock", limits=limits)
+    await server.start()
+    try:
+        server.store.add("p:k", orjson.dumps({"blob": "b" * 20_000}).decode())
+        slow = socket.socket(socket.AF_UNIX)
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(str(server.socket_path))
+        count = 2000
+        requests = b"".join(_request(i, "get", "p:k") for i in range(count))
+        sending = asyncio.ensure_future(asyncio.to_thread(slow.sendall, requests))
+        await wait_until(lambda: server.stats.throttled >= 1, what="throttled")
+        (connection,) = list(server._connections)
+        assert connection.buffered() <= limits.high_water + 40 * 25_000
+        # Everyone else is served meanwhile.
+        other = SocketQueueDriver(server.socket_path)
+        assert await other.ping() == "pong"
+        await other.close()
+        # Once it reads, every answer arrives.
+        replies = await asyncio.to_thread(_read_replies, slow, count)
+        await sending
+        slow.close()
+        assert len(replies) == count and all("ok" in r for r in replies)
+    finally:
+        await server.stop()
+
+
+async def test_a_client_that_never_reads_past_the_hard_limit_is_cut_off(workdir: Path) -> None:
+    limits = Limits(high_water=64 * 1024, hard_limit=1024 * 1024, max_in_flight=4096)
+    server = QueueServer(MemoryQueueStore(), workdir / "s.sock", limits=limits)
+    await server.start()
+    try:
+        server.store.add("p:k", orjson.dumps({"blob": "b" * 100_000}).decode())
+        hog = socket.socket(socket.AF_UNIX)
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hog.connect(str(server.socket_path))
+        await asyncio.to_thread(
+            hog.sendall, b"".join(_request(i, "get", "p:k") for i in range(100))
+        )
+        await wait_until(lambda: not server._connections, what="the hog cut off")
+        other = SocketQueueDriver(server.socket_path)
+        assert await other.ping() == "pong"
+        await other.close()
+        hog.close()
+    finally:
+        await server.stop()
+
+
+async def test_parked_long_polls_are_capped_per_connection(workdir: Path) -> None:
+    server = QueueServer(MemoryQueueStore(), workdir / "s.sock", limits=Limits(max_parked=3))
+    await server.start()
+    try:
+        ids = [server.store.add(f"p:k{i}", "{}").id for i in range(4)]
+        reader, writer = await asyncio.open_unix_connection(str(server.socket_path))
+        writer.write(
+            b"".join(_request(i, "result_blocking", qid, 60_000) for i, qid in enumerate(ids))
+        )
+        body = await read_frame(reader, 1 << 20)
+        assert body is not None
+        reply = orjson.loads(body)
+        assert reply["id"] == 3
+        assert "long polls waiting, the limit is 3" in reply["error"]["message"]
+        writer.close()
+    finally:
+        await server.stop()
