@@ -15,6 +15,7 @@ from queryqueue.engine.version import package_version
 from queryqueue.supervisor.paths import SOCKET_ENV, default_socket_path
 from queryqueue.supervisor.tables import table
 
+MiB = 1024 * 1024
 DB_ENV = "QUERYQUEUE_DB"
 APP_ENV = "QUERYQUEUE_APP"
 WORKERS_ENV = "QUERYQUEUE_WORKERS"
@@ -144,6 +145,39 @@ def _parser() -> argparse.ArgumentParser:
         help="results of at least KB kilobytes travel through shared memory (0: never)",
     )
 
+    limits = sup.add_argument_group("what one connection may cost")
+    limits.add_argument(
+        "--connection-high-water",
+        type=int,
+        default=8,
+        metavar="MB",
+        help="unsent answers past which a connection is not read until its client catches up",
+    )
+    limits.add_argument(
+        "--connection-hard-limit",
+        type=int,
+        default=512,
+        metavar="MB",
+        help="unsent answers past which a connection is closed",
+    )
+    limits.add_argument(
+        "--max-long-polls", type=int, default=1024, help="long polls one connection may park"
+    )
+    limits.add_argument(
+        "--shm-max-total",
+        type=int,
+        default=4096,
+        metavar="MB",
+        help="shared memory for results, in all (past it, results go through the socket)",
+    )
+    limits.add_argument(
+        "--shm-max-per-connection",
+        type=int,
+        default=1024,
+        metavar="MB",
+        help="shared memory one connection may hold (writing or reading)",
+    )
+
     status = commands.add_parser(
         "status", help="per prefix: pending, active, oldest age; commands/s", formatter_class=_Help
     )
@@ -219,6 +253,7 @@ def _supervisor(
 ) -> int:
     from queryqueue.supervisor.app import AppNotFoundError, load_app
     from queryqueue.supervisor.process import run
+    from queryqueue.supervisor.server import Limits
 
     if args.db is None and args.store is None:
         parser.error(f"the supervisor needs --db FILE or --store URL (or ${DB_ENV})")
@@ -240,6 +275,12 @@ def _supervisor(
         synchronous=args.synchronous,
         tcp_port=args.tcp_port,
         auth_token_file=args.auth_token_file,
+        limits=Limits(
+            high_water=args.connection_high_water * MiB,
+            hard_limit=args.connection_hard_limit * MiB,
+            max_parked=args.max_long_polls,
+        ),
+        shm_caps=(args.shm_max_total * MiB, args.shm_max_per_connection * MiB),
         app=args.app,
         workers=workers,
         cancel_grace=args.cancel_grace,

@@ -11,7 +11,7 @@ from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
 from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import guard
 from queryqueue.supervisor.pool import WorkerPool
-from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.server import Limits, QueueServer
 
 
 def open_store(db: str | Path, *, synchronous: Synchronous, schema: str) -> QueueStore:
@@ -31,6 +31,8 @@ async def serve(
     schema: str = "queryqueue",
     tcp_port: int | None = None,
     auth_token_file: str | Path | None = None,
+    limits: Limits | None = None,
+    shm_caps: tuple[int, int] | None = None,
     app: str | None = None,
     workers: int = 0,
     ready: asyncio.Event | None = None,
@@ -57,6 +59,8 @@ async def serve(
             socket_path,
             tcp_port=tcp_port,
             token=token,
+            limits=limits,
+            shm_caps=shm_caps,
             app=app,
             workers=workers,
             ready=ready,
@@ -78,6 +82,8 @@ async def _serve_store(
     *,
     tcp_port: int | None,
     token: str | None,
+    limits: Limits | None,
+    shm_caps: tuple[int, int] | None,
     app: str | None,
     workers: int,
     ready: asyncio.Event | None,
@@ -96,7 +102,10 @@ async def _serve_store(
         tcp_port=tcp_port,
         tcp_token=token,
         pool=pool,
+        limits=limits,
     )
+    if shm_caps is not None:
+        server.segments.max_total_bytes, server.segments.max_connection_bytes = shm_caps
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
