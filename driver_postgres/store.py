@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -58,6 +59,8 @@ from queryqueue.engine.waiters import AckEvent
 _FETCH = "\x00fetch"
 
 T = TypeVar("T")
+RECONNECT_ATTEMPTS = 4
+RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a second
 _NO_SAVEPOINT = contextlib.nullcontext()
 
 
@@ -414,10 +417,21 @@ class PostgresQueueStore(QueueStore):
                 raise StoreError(f"queue database: {exc}") from exc
 
     def _again_if_disconnected(self, command: Callable[[], T]) -> T:
-        try:
-            return command()
-        except _Disconnected:
-            return command()  # on a fresh connection; the first attempt changed nothing
+        """Run `command` again on a fresh connection while its connection broke before
+        COMMIT (no attempt changed anything), a bounded number of times with backoff;
+        then a StoreError says so."""
+        delay = RECONNECT_BACKOFF
+        for attempt in range(RECONNECT_ATTEMPTS):
+            try:
+                return command()
+            except _Disconnected as exc:
+                last = exc
+                if attempt:  # the first retry at once: one broken connection is common
+                    time.sleep(delay)
+                    delay *= 2
+        raise StoreError(
+            f"the queue database connection broke {RECONNECT_ATTEMPTS} times in a row: {last}"
+        ) from last
 
     def close(self) -> None:
         self._closed = True

@@ -157,12 +157,18 @@ async def test_killed_database_connections_lose_no_acknowledged_result(
             value = f'{{"n":{i}}}'
             await _until_done(driver.add, path, '{"q":1}')
             item = await _until_done(driver.retrieve, path, concurrency=1000)
-            assert item is not None
-            ack = await _until_done(driver.ack, item.id or 0, value)
+            if item is not None and item.id is not None:
+                queue_id = item.id
+            else:
+                # A RETRIEVE re-sent after its first COMMIT's answer was lost finds the item
+                # active: the first one took it.
+                active = await _until_done(driver.active, "p")
+                queue_id = next(row.queue_id for row in active if row.id == f"k{i}")
+            ack = await _until_done(driver.ack, queue_id, value)
             if not ack.success:
                 # Only an ACK re-sent after its first COMMIT's answer was lost finds no item:
                 # then that first one took effect.
-                assert await driver.result(item.id or 0) is not None
+                assert await driver.result(queue_id) is not None
             acked[path] = value
         stop.set()
         killer.join()
@@ -262,3 +268,27 @@ async def test_an_item_its_caller_abandoned_is_reaped_by_another_host(
         assert hosts[1].stop() == 0
         if hosts[0].process.poll() is None:
             hosts[0].stop()
+
+
+def test_a_connection_that_keeps_breaking_is_a_store_error_after_bounded_retries(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from queryqueue.driver_postgres import store as pg
+
+    store = pg.PostgresQueueStore(URL, schema=schema)
+    attempts = 0
+
+    def broken() -> object:
+        nonlocal attempts
+        attempts += 1
+        raise pg._Disconnected("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(store, "_atomic", broken)
+    try:
+        with pytest.raises(StoreError, match="broke 4 times in a row") as raised:
+            store.add("p:k", "{}")
+        assert type(raised.value) is StoreError  # the public family, nothing private
+        assert attempts == pg.RECONNECT_ATTEMPTS
+    finally:
+        monkeypatch.undo()
+        store.close()

@@ -354,3 +354,18 @@ async def test_a_result_no_transport_can_carry_fails_the_query_for_its_waiters(
     assert raised.value.error_type == "ResultTooLargeError"
     await queue.close()
     await driver.close()
+
+
+async def test_a_server_error_the_client_has_no_class_for_keeps_its_family(
+    server: QueueServer,
+) -> None:
+    server.segments.max_total_bytes = MiB
+    driver = SocketQueueDriver(server.socket_path)
+    try:
+        # SharedMemoryFullError lives in the supervisor: the client raises its public
+        # family (a StoreError), never a CommandRejectedError.
+        with pytest.raises(StoreError, match="SharedMemoryFullError: shm_alloc") as raised:
+            await driver.call("shm_alloc", 10 * MiB)
+        assert type(raised.value) is StoreError
+    finally:
+        await driver.close()
