@@ -26,13 +26,10 @@ anything is written.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from abc import abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
-
-import orjson
+from dataclasses import replace
 
 from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
@@ -42,216 +39,58 @@ from queryqueue.engine.errors import (
     ExternalIdConflictError,
     InvalidCommandError,
 )
+from queryqueue.engine.listing import ListingCommands
+from queryqueue.engine.records import (
+    ITEM_COLUMNS,
+    QUEUE_COMMANDS,
+    RESULT_COLUMNS,
+    STATUS_CODE,
+    STATUS_NAME,
+    Item,
+    PrefixOverview,
+    StoredResult,
+    StoreTransaction,
+    item_from_row,
+    merge_extra_json,
+    new_item,
+    result_from_row,
+    result_response,
+)
 from queryqueue.engine.responses import (
     AckResponse,
     AddAndRetrieveResponse,
     AddToQueueResponse,
-    ItemStatus,
-    ListResponse,
     QueryDefResponse,
-    QueueId,
     QueueKey,
     ResultResponse,
     ResultStatus,
     RetrieveResponse,
-    ToCancelResponse,
 )
 from queryqueue.engine.waiters import AckEvent, ResultWaiters
+
+# Re-exported: the stores and the server import these from here.
+__all__ = [
+    "DEFAULT_RESULT_TTL_MS",
+    "ITEM_COLUMNS",
+    "QUEUE_COMMANDS",
+    "RESULT_COLUMNS",
+    "STATUS_CODE",
+    "STATUS_NAME",
+    "Item",
+    "PrefixOverview",
+    "QueueStore",
+    "StoreTransaction",
+    "StoredResult",
+    "item_from_row",
+    "result_from_row",
+]
 
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
 # ACK deletes at most this many expired results, so cleanup never makes one command slow.
 PURGE_BATCH = 64
 
 
-@dataclass(frozen=True, slots=True)
-class Item:
-    """One queue item as stored. `payload` is only loaded when asked for."""
-
-    id: QueueId
-    prefix: str
-    key: str
-    status: ItemStatus
-    priority: int
-    created: int
-    heartbeat: int | None
-    orphaned: int | None  # absolute deadline in ms, only when ADD gave ORPHANED
-    extra: str | None
-    process_id: str | None
-    exclusive: bool
-    external_id: str | None
-    payload: str | None = None
-
-    @property
-    def path(self) -> str:
-        return f"{self.prefix}:{self.key}"
-
-
-@dataclass(frozen=True, slots=True)
-class StoredResult:
-    id: QueueId
-    path: str
-    value: str
-    deleted: bool
-    expire: int
-    external_id: str | None
-    consumed_by: str | None = None  # the token of the RESULT-by-path read that consumed it
-
-
-# The QUEUE commands, by method name: what a supervisor serves to its clients.
-QUEUE_COMMANDS = (
-    "add",
-    "add_and_retrieve",
-    "retrieve",
-    "ack",
-    "result",
-    "result_blocking",
-    "get",
-    "cancel",
-    "heartbeat",
-    "merge_extra",
-    "list_items",
-    "pending",
-    "active",
-    "to_cancel",
-    "truncate",
-)
-
-# SQL stores read items and results in these column orders, and map rows back here.
-ITEM_COLUMNS = (
-    "id, prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id, "
-    "exclusive, external_id"
-)
-RESULT_COLUMNS = "id, path, value, deleted, expire, external_id, consumed_by"
-STATUS_CODE: dict[ItemStatus, int] = {"pending": 0, "active": 1}
-STATUS_NAME: dict[int, ItemStatus] = {0: "pending", 1: "active"}
-
-
-def item_from_row(row: Sequence[Any]) -> Item:
-    """An ITEM_COLUMNS row (plus payload, when selected) as an Item."""
-    return Item(
-        id=row[0],
-        prefix=row[1],
-        key=row[2],
-        status=STATUS_NAME[row[3]],
-        priority=row[4],
-        created=row[5],
-        heartbeat=row[6],
-        orphaned=row[7],
-        extra=row[8],
-        process_id=row[9],
-        exclusive=bool(row[10]),
-        external_id=row[11],
-        payload=row[12] if len(row) > 12 else None,
-    )
-
-
-def result_from_row(row: Sequence[Any] | None) -> StoredResult | None:
-    if row is None:
-        return None
-    return StoredResult(
-        id=row[0],
-        path=row[1],
-        value=row[2],
-        deleted=bool(row[3]),
-        expire=row[4],
-        external_id=row[5],
-        consumed_by=row[6],
-    )
-
-
-class StoreTransaction(Protocol):
-    """Persistence hooks, all called inside one atomic transaction.
-
-    Orders: `items()` and `orphaned_items()` return priority desc, queue id asc, except that
-    `items(status="active")`, `active_keys()` and `stalled_items()` return queue id asc.
-    Result reads ignore rows whose `expire` is not after `now`.
-    """
-
-    def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None: ...
-
-    def external_id_taken(self, external_id: str) -> bool: ...
-
-    def insert(self, item: Item) -> QueueId:
-        """Insert a new item (its `id` is ignored) and return the id assigned to it."""
-        ...
-
-    def activate(self, item: Item, now: int) -> None: ...
-
-    def set_heartbeat(self, item: Item, now: int) -> None: ...
-
-    def set_orphaned(self, item: Item, deadline: int) -> None: ...
-
-    def set_extra(self, item: Item, extra: str | None) -> None: ...
-
-    def delete(self, item: Item) -> None: ...
-
-    def counts(self, prefix: str) -> tuple[int, int]:
-        """(pending, active) of the prefix, for all processes."""
-        ...
-
-    def active_keys(self, prefix: str) -> list[str]: ...
-
-    def items(
-        self,
-        prefix: str,
-        status: ItemStatus | None,
-        *,
-        process_id: str | None,
-        with_payload: bool,
-        limit: int | None,
-    ) -> list[Item]:
-        """Items visible to `process_id`: not exclusive, or exclusive and owned by it."""
-        ...
-
-    def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
-        """Pending items past their own deadline, or (without one) older than the timeout."""
-        ...
-
-    def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
-        """Active items whose heartbeat (or creation, without one) is older than the timeout."""
-        ...
-
-    def insert_result(self, result: StoredResult) -> None: ...
-
-    def result_by_id(self, id: QueueId, now: int) -> StoredResult | None: ...
-
-    def latest_result_by_path(self, path: str, now: int) -> StoredResult | None: ...
-
-    def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None: ...
-
-    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
-        """Mark consumed (once: a second mark keeps the first consumer)."""
-        ...
-
-    def delete_result(self, id: QueueId) -> None: ...
-
-    def purge_expired_results(self, now: int, limit: int) -> int: ...
-
-    def truncate(self) -> None: ...
-
-    def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
-        """Per prefix (pending, active, oldest item's creation), and results still held."""
-        ...
-
-    def refresh_active_heartbeats(self, now: int) -> int:
-        """Set the heartbeat of every active item to `now`; returns how many."""
-        ...
-
-    def acked(self, item: Item, result: str | None) -> None:
-        """The item was acked in this transaction: a store shared by several processes
-        tells the others here (their RESULT_BLOCKING waiters); others do nothing."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixOverview:
-    prefix: str
-    pending: int
-    active: int
-    oldest_created: int | None
-
-
-class QueueStore(ABC):
+class QueueStore(ListingCommands):
     """The QUEUE command set. Subclasses implement `_atomic()` and `close()` only."""
 
     def __init__(
@@ -297,7 +136,16 @@ class QueueStore(ABC):
         process_id: str | None = None,
     ) -> AddToQueueResponse:
         """QUEUE ADD [EXCLUSIVE] [PRIORITY n] [ORPHANED s] [EXTERNAL_ID e] path payload."""
-        new = self._new_item(path, payload, priority, orphaned, external_id, exclusive, process_id)
+        new = new_item(
+            path,
+            payload,
+            priority,
+            orphaned,
+            external_id,
+            exclusive,
+            process_id,
+            self.clock.now_ms(),
+        )
         with self._atomic() as tx:
             existing = self._find_for_add(tx, new)
             if existing is not None:
@@ -321,7 +169,16 @@ class QueueStore(ABC):
     ) -> AddAndRetrieveResponse:
         """QUEUE ADD_AND_RETRIEVE ... path payload concurrency: insert, then retrieve if the
         prefix has a slot for it and for everything already pending."""
-        new = self._new_item(path, payload, priority, orphaned, external_id, exclusive, process_id)
+        new = new_item(
+            path,
+            payload,
+            priority,
+            orphaned,
+            external_id,
+            exclusive,
+            process_id,
+            self.clock.now_ms(),
+        )
         v.check_concurrency(concurrency)
         with self._atomic() as tx:
             existing = self._find_for_add(tx, new)
@@ -345,43 +202,6 @@ class QueueStore(ABC):
                 payload=retrieved,
                 extra=None,
             )
-
-    def _new_item(
-        self,
-        path: str,
-        payload: str,
-        priority: int,
-        orphaned: float | None,
-        external_id: str | None,
-        exclusive: bool,
-        process_id: str | None,
-    ) -> Item:
-        prefix, key = v.split_path(path)
-        v.check_json("payload", payload)
-        v.check_priority(priority)
-        orphaned_ms = v.check_orphaned_seconds(orphaned)
-        v.check_external_id(external_id)
-        v.check_process_id(process_id)
-        if not isinstance(exclusive, bool):
-            raise InvalidCommandError("exclusive must be a bool")
-        if exclusive and process_id is None:
-            raise InvalidCommandError("EXCLUSIVE needs the process id of the connection")
-        now = self.clock.now_ms()
-        return Item(
-            id=0,
-            prefix=prefix,
-            key=key,
-            status="pending",
-            priority=priority,
-            created=now,
-            heartbeat=None,
-            orphaned=None if orphaned_ms is None else now + orphaned_ms,
-            extra=None,
-            process_id=process_id,
-            exclusive=exclusive,
-            external_id=external_id,
-            payload=payload,
-        )
 
     @staticmethod
     def _find_for_add(tx: StoreTransaction, new: Item) -> Item | None:
@@ -536,10 +356,10 @@ class QueueStore(ABC):
             found = tx.latest_result_by_external_id(external_id, now)
             if found is not None:
                 # Read-many, as in Cube Store: the by-path result stays for its reader.
-                return _result_response(found)
+                return result_response(found)
         if isinstance(key, int):
             found = tx.result_by_id(key, now)
-            return None if found is None else _result_response(found)
+            return None if found is None else result_response(found)
         else:
             found = tx.latest_result_by_path(key, now)
             if found is None:
@@ -548,11 +368,11 @@ class QueueStore(ABC):
                 # Consumed: only the very read that consumed it may have it again.
                 if consumer is None or found.consumed_by != consumer:
                     return None
-                return _result_response(found)
+                return result_response(found)
             if external_id is not None and found.external_id not in (None, external_id):
                 return None
             tx.mark_result_deleted(found.id, consumer)
-            return _result_response(found)
+            return result_response(found)
 
     def _blocking_lookup(
         self, tx: StoreTransaction, key: QueueKey, now: int
@@ -648,109 +468,8 @@ class QueueStore(ABC):
             item = tx.find(key)
             if item is None:
                 return False
-            tx.set_extra(item, _merge_extra(item.extra, extra))
+            tx.set_extra(item, merge_extra_json(item.extra, extra))
             return True
-
-    # -- QUEUE LIST / PENDING / ACTIVE ---------------------------------------------------
-
-    def list_items(
-        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
-    ) -> list[ListResponse]:
-        """QUEUE LIST [WITH_PAYLOAD] prefix: priority desc, then queue id asc."""
-        return self._list(prefix, None, with_payload, process_id, None)
-
-    def pending(
-        self,
-        prefix: str,
-        *,
-        with_payload: bool = False,
-        process_id: str | None = None,
-        limit: int | None = None,
-    ) -> list[ListResponse]:
-        """QUEUE PENDING prefix: priority desc, then queue id asc. `limit` (our extension)
-        returns only the head, which is all reconcile reads."""
-        if limit is not None and (
-            not isinstance(limit, int) or isinstance(limit, bool) or limit < 0
-        ):
-            raise InvalidCommandError("limit must be a non-negative integer")
-        return self._list(prefix, "pending", with_payload, process_id, limit)
-
-    def active(
-        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
-    ) -> list[ListResponse]:
-        """QUEUE ACTIVE prefix: in queue id order."""
-        return self._list(prefix, "active", with_payload, process_id, None)
-
-    def _list(
-        self,
-        prefix: str,
-        status: ItemStatus | None,
-        with_payload: bool,
-        process_id: str | None,
-        limit: int | None,
-    ) -> list[ListResponse]:
-        v.check_prefix(prefix)
-        v.check_process_id(process_id)
-        with self._atomic() as tx:
-            items = tx.items(
-                prefix, status, process_id=process_id, with_payload=with_payload, limit=limit
-            )
-        return [
-            ListResponse(
-                id=item.key,
-                queue_id=item.id,
-                status=item.status,
-                extra=item.extra,
-                payload=item.payload if with_payload else None,
-            )
-            for item in items
-        ]
-
-    # -- QUEUE TO_CANCEL / STALLED / ORPHANED -------------------------------------------
-
-    def to_cancel(
-        self, heartbeat_timeout_ms: int | None, orphaned_timeout_ms: int | None, prefix: str
-    ) -> list[ToCancelResponse]:
-        """QUEUE TO_CANCEL: stalled active items, then orphaned pending ones. No visibility
-        filter: any process may reap any item."""
-        v.check_non_negative_ms("heartbeat timeout", heartbeat_timeout_ms, nullable=True)
-        v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms, nullable=True)
-        v.check_prefix(prefix)
-        now = self.clock.now_ms()
-        with self._atomic() as tx:
-            found: list[Item] = []
-            if heartbeat_timeout_ms is not None:
-                found += tx.stalled_items(prefix, now, heartbeat_timeout_ms)
-            if orphaned_timeout_ms is not None:
-                found += tx.orphaned_items(prefix, now, orphaned_timeout_ms)
-        return [ToCancelResponse(id=item.key, queue_id=item.id) for item in found]
-
-    def stalled(self, heartbeat_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
-        v.check_non_negative_ms("heartbeat timeout", heartbeat_timeout_ms)
-        return self.to_cancel(heartbeat_timeout_ms, None, prefix)
-
-    def orphaned(self, orphaned_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
-        v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms)
-        return self.to_cancel(None, orphaned_timeout_ms, prefix)
-
-    def describe(self) -> dict[str, Any]:
-        """What `queryqueue status` shows: per prefix counts and oldest age, results held."""
-        now = self.clock.now_ms()
-        with self._atomic() as tx:
-            prefixes, results = tx.overview(now)
-        return {
-            "prefixes": [
-                {
-                    "prefix": p.prefix,
-                    "pending": p.pending,
-                    "active": p.active,
-                    "oldest_age_ms": None if p.oldest_created is None else now - p.oldest_created,
-                }
-                for p in prefixes
-            ],
-            "results_held": results,
-            "waiters": self.waiters.count(),
-        }
 
     def refresh_active_heartbeats(self) -> int:
         """Give every active item a fresh heartbeat (not a QUEUE command).
@@ -777,21 +496,3 @@ def _join(keys: list[str]) -> str | None:
 
 def _prefix_of(key: QueueKey) -> str | None:
     return key.rpartition(":")[0] if isinstance(key, str) else None
-
-
-def _result_response(found: StoredResult) -> ResultResponse:
-    return ResultResponse(
-        payload=found.value, type=ResultStatus.SUCCESS, id=found.id, external_id=found.external_id
-    )
-
-
-def _merge_extra(current: str | None, new: str) -> str | None:
-    update = orjson.loads(new)
-    if update is None:
-        return None
-    if current is None:
-        return new
-    base = orjson.loads(current)
-    if isinstance(base, dict) and isinstance(update, dict):
-        return orjson.dumps({**base, **update}).decode()
-    return new

@@ -152,3 +152,12 @@ def check_concurrency(concurrency: Any) -> int:
             f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {concurrency}"
         )
     return concurrency
+
+
+def check_queue_options(*, concurrency: Any, **timeouts: float) -> None:
+    """QueryQueue's settings: positive timeouts, a positive integer concurrency."""
+    for name, value in timeouts.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")

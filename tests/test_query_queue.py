@@ -484,7 +484,7 @@ async def test_external_cancellation_is_noticed_once_on_the_heartbeat(
     await wait_until(lambda: len(rec.named(ev.CANCELLING_EXTERNAL)) == 1)
     await wait_until(lambda: rec.running == 0)
     # The execution ends (its heartbeat with it) without firing the cancellation again.
-    await wait_until(lambda: not runner._executions)
+    await wait_until(lambda: not runner.executor.executions)
     assert len(rec.cancelled) == 1 and rec.cancelled[0]["cancelHandler"] == {"kill": "ext"}
     assert len(rec.named(ev.CANCELLING_EXTERNAL)) == 1
     caller.cancel()

@@ -1,0 +1,352 @@
+"""The background side of `queue-design.txt`: execute a retrieved query, heartbeat it,
+cancel it, ACK it — what huey's consumer and saq's worker are to their queues.
+
+One `Executor` per `QueryQueue`, holding the executions running in this process. Its
+heartbeat sleeps on the queue's injected clock, so tests step it instead of waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from queryqueue.engine import events as ev
+from queryqueue.engine.aio import wait_within
+from queryqueue.engine.connection import QueryDef
+from queryqueue.engine.errors import (
+    QueryCancelledError,
+    QueryError,
+    QueryTimeoutError,
+    ResultTooLargeError,
+)
+from queryqueue.engine.handlers import QueryHandler, SetCancelHandler
+from queryqueue.engine.hashing import js_number
+from queryqueue.engine.outcome import CANCELLED_MESSAGE, encode_error, encode_result
+from queryqueue.engine.responses import QueueId
+from queryqueue.engine.retrieved import RetrievedQuery
+
+if TYPE_CHECKING:
+    from queryqueue.engine.queue import QueryQueue
+
+STREAM_HANDLER = "stream"
+HEARTBEAT_LOG_INTERVAL_MS = 5 * 60 * 1000
+
+
+@dataclass(eq=False)
+class _Execution:
+    """One query executing in this process."""
+
+    retrieved: RetrievedQuery
+    cancel_handler: Any = None
+    cancelled: bool = False  # cancelled from outside: the handler's end is not an error of its own
+    external_cancel_fired: bool = False
+    finished: bool = False  # the handler is done: the heartbeat loop must end
+    handler_task: asyncio.Future[Any] | None = None
+    side_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+class Executor:
+    """Runs the queries a `QueryQueue` hands to this process, to their ACK."""
+
+    def __init__(self, queue: QueryQueue) -> None:
+        self.queue = queue
+        self.executions: dict[QueueId, _Execution] = {}
+        self._threads_lock = threading.Lock()
+        self._threads_done = threading.Condition(self._threads_lock)
+        self._handler_threads = 0
+
+    async def execute_query(self, retrieved: RetrievedQuery) -> None:
+        """Run a retrieved item to its ACK, then reconcile. Errors are logged, never raised."""
+        query = retrieved.query
+        query_key_hash, queue_id = retrieved.query_key_hash, retrieved.queue_id
+        context = self._execution_context(retrieved)
+        execution = _Execution(retrieved)
+        self.executions[queue_id] = execution
+        conn = self.queue.connection
+        try:
+            start = self.queue.clock.now_ms()
+            self.queue.events.emit(
+                ev.PERFORMING_QUERY,
+                {**context, "timeInQueue": start - query.get("addedToQueueTime", start)},
+            )
+            await conn.optimistic_query_update(query_key_hash, {"startQueryTime": start}, queue_id)
+            heartbeat = asyncio.ensure_future(self._heartbeat(execution, context))
+            started = time.monotonic()
+            try:
+                result = await self._run_handler(execution)
+                self.queue.events.emit(
+                    ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
+                )
+            except Exception as exc:
+                result = encode_error(exc)
+                # Logged here, once, with its traceback; callers get the text in the result.
+                self.queue.events.emit(
+                    ev.ERROR_WHILE_QUERYING,
+                    {**context, "duration": _ms_since(started), "error": repr(exc)},
+                    exc_info=exc,
+                )
+                if isinstance(exc, QueryTimeoutError):
+                    current = await conn.get_query_def(query_key_hash, queue_id)
+                    if current is not None:
+                        self.queue.events.emit(ev.CANCELLING_TIMEOUT, context)
+                        await self.queue.send_cancel_message_fn(
+                            {**current, "cancelHandler": execution.cancel_handler}, queue_id
+                        )
+            finally:
+                execution.finished = True
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, *execution.side_tasks, return_exceptions=True)
+            if not await self._acknowledge(query_key_hash, queue_id, result, context):
+                self.queue.events.emit(
+                    ev.ORPHANED_RESULT,
+                    {
+                        **context,
+                        "warn": "Result for query was not set: the item is no longer in the queue",
+                    },
+                )
+            if self.queue.reconcile:
+                await self.queue.reconcile_queue()
+        except Exception as exc:
+            self.queue.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
+        finally:
+            self.executions.pop(queue_id, None)
+
+    async def _acknowledge(
+        self, query_key_hash: str, queue_id: QueueId, result: str, context: dict[str, Any]
+    ) -> bool:
+        """ACK with the result; one that no transport can carry fails the query instead,
+        so its waiters hear why rather than wait for a reap."""
+        conn = self.queue.connection
+        try:
+            return await conn.set_encoded_result_and_remove_query(query_key_hash, result, queue_id)
+        except ResultTooLargeError as exc:
+            self.queue.events.emit(ev.ERROR_WHILE_QUERYING, {**context, "error": repr(exc)})
+            return await conn.set_encoded_result_and_remove_query(
+                query_key_hash, encode_error(exc), queue_id
+            )
+
+    async def _run_handler(self, execution: _Execution) -> str:
+        """Run the handler; its result as the JSON text to ACK with."""
+        retrieved = execution.retrieved
+        query = retrieved.query
+        name = query.get("queryHandler")
+        loop = asyncio.get_running_loop()
+
+        def set_cancel_handler(value: Any) -> None:
+            # Called from the handler, possibly in a worker thread.
+            execution.cancel_handler = value
+
+            def record() -> None:
+                task = asyncio.ensure_future(self._record_cancel_handler(execution, value))
+                execution.side_tasks.add(task)
+
+            if _in_loop(loop):
+                record()
+            else:
+                loop.call_soon_threadsafe(record)
+
+        if name == STREAM_HANDLER:
+            return await self._run_stream(execution)
+
+        handler = self.queue.query_handlers.get(str(name))
+        if handler is None:
+            raise QueryError(f"no query handler {name!r}")
+        if inspect.iscoroutinefunction(handler):
+            execution.handler_task = asyncio.ensure_future(
+                handler(query.get("query"), set_cancel_handler)
+            )
+        else:
+            # A sync handler runs in a thread so this loop keeps heartbeating.
+            execution.handler_task = asyncio.ensure_future(
+                asyncio.to_thread(self._in_thread, handler, query.get("query"), set_cancel_handler)
+            )
+        try:
+            value = await wait_within(execution.handler_task, self.queue.execution_timeout)
+        except TimeoutError:
+            execution.handler_task.cancel()
+            raise QueryTimeoutError(
+                f"Query execution timeout after {js_number(self.queue.execution_timeout / 60)} min of waiting"
+            ) from None
+        except asyncio.CancelledError:
+            if execution.cancelled and execution.handler_task.cancelled():
+                raise QueryCancelledError(CANCELLED_MESSAGE) from None
+            execution.handler_task.cancel()  # this execution is being stopped (shutdown)
+            await asyncio.gather(execution.handler_task, return_exceptions=True)
+            raise
+        if inspect.isawaitable(value):
+            value = await value
+        return encode_result(value)
+
+    async def _run_stream(self, execution: _Execution) -> str:
+        """A stream query: its handler writes rows to a stream its waiters read here."""
+        retrieved = execution.retrieved
+        query = retrieved.query
+        if self.queue.stream_handler is None:
+            raise QueryError("no stream_handler for a stream query")
+        stream = self.queue._create_query_stream(retrieved.query_key_hash, query.get("query"))
+        task = asyncio.ensure_future(self.queue.stream_handler(query.get("query"), stream))
+        execution.handler_task = task
+        try:
+            await task
+        except asyncio.CancelledError:
+            await stream.end(QueryCancelledError(CANCELLED_MESSAGE))
+            if execution.cancelled and task.cancelled():
+                raise QueryCancelledError(CANCELLED_MESSAGE) from None
+            raise
+        except Exception as exc:
+            await stream.end(exc)
+            raise
+        finally:
+            if self.queue.streams.get(retrieved.query_key_hash) is stream:
+                del self.queue.streams[retrieved.query_key_hash]
+        await stream.end()
+        return '{"streamResult":true}'
+
+    def _in_thread(
+        self, handler: QueryHandler, query: Any, set_cancel_handler: SetCancelHandler
+    ) -> Any:
+        with self._threads_lock:
+            self._handler_threads += 1
+        try:
+            return handler(query, set_cancel_handler)
+        finally:
+            with self._threads_lock:
+                self._handler_threads -= 1
+                if not self._handler_threads:
+                    self._threads_done.notify_all()
+
+    def wait_for_handler_threads(self, timeout: float | None = None) -> bool:
+        """Block until no sync handler runs in a thread; False on timeout."""
+        with self._threads_done:
+            return self._threads_done.wait_for(lambda: not self._handler_threads, timeout)
+
+    @property
+    def handler_threads(self) -> int:
+        """Sync handlers still running in threads — including ones whose execution was
+        cancelled or timed out, which Python cannot stop (a worker process can be)."""
+        with self._threads_lock:
+            return self._handler_threads
+
+    async def _record_cancel_handler(self, execution: _Execution, value: Any) -> None:
+        retrieved = execution.retrieved
+        try:
+            await self.queue.connection.optimistic_query_update(
+                retrieved.query_key_hash, {"cancelHandler": value}, retrieved.queue_id
+            )
+        except Exception as exc:
+            self.queue.events.emit(
+                ev.ERROR_QUERY_UPDATE, {**self._execution_context(retrieved), "error": repr(exc)}
+            )
+
+    async def _heartbeat(self, execution: _Execution, context: dict[str, Any]) -> None:
+        retrieved = execution.retrieved
+        conn = self.queue.connection
+        clock = self.queue.clock
+        last_logged = clock.now_ms()
+        while True:
+            await clock.sleep(self.queue.heartbeat_interval)
+            if execution.finished:  # ends even if a cancellation went astray
+                return
+            if clock.now_ms() - last_logged >= HEARTBEAT_LOG_INTERVAL_MS:
+                last_logged = clock.now_ms()
+                self.queue.events.emit(ev.HEARTBEAT, context)
+            try:
+                await conn.update_heartbeat(retrieved.query_key_hash, retrieved.queue_id)
+            except Exception as exc:
+                self.queue.events.emit(ev.ERROR_UPDATING_HEARTBEAT, {**context, "error": repr(exc)})
+            if execution.external_cancel_fired:
+                continue
+            try:
+                current = await conn.get_query_def(retrieved.query_key_hash, retrieved.queue_id)
+                if current is None:  # removed by someone else (manual cancel elsewhere, reaped)
+                    await self._cancel_external(execution)
+            except Exception as exc:
+                self.queue.events.emit(ev.ERROR_CHECKING_EXTERNAL, {**context, "error": repr(exc)})
+
+    def cancel_execution(self, queue_id: QueueId) -> bool:
+        """The item this process runs was removed elsewhere (a supervisor says so at once):
+        stop it now with its cancel handler, as its next heartbeat would. False if it does
+        not run here or was stopped already."""
+        execution = self.executions.get(queue_id)
+        if execution is None or execution.external_cancel_fired or execution.finished:
+            return False
+        self.queue._spawn(self._cancel_external(execution))
+        return True
+
+    async def _cancel_external(self, execution: _Execution) -> None:
+        if execution.external_cancel_fired:  # once, whoever notices first
+            return
+        execution.external_cancel_fired = True
+        retrieved = execution.retrieved
+        self.queue.events.emit(ev.CANCELLING_EXTERNAL, self._execution_context(retrieved))
+        await self.process_cancel(
+            {**retrieved.query, "cancelHandler": execution.cancel_handler}, retrieved.queue_id
+        )
+
+    async def process_cancel(self, query_def: QueryDef, queue_id: QueueId | None) -> None:
+        """Call the cancel handler of the query's handler, and stop the query if it runs in
+        this process (an async handler stops; a thread can only be abandoned)."""
+        name = query_def.get("queryHandler")
+        execution = self.executions.get(queue_id) if queue_id else None
+        task = execution.handler_task if execution is not None else None
+        running_here = execution is not None and task is not None and not task.done()
+        if execution is not None:
+            # Delivered: the heartbeat must not report the removal as an external cancel too.
+            execution.external_cancel_fired = True
+            execution.cancelled = running_here
+        try:
+            cancel = self.queue.cancel_handlers.get(str(name))
+            if cancel is None:
+                if not running_here:
+                    raise QueryError(f"No cancel handler for {name}")
+            else:
+                outcome = cancel(query_def)
+                if inspect.isawaitable(outcome):
+                    await outcome
+        except Exception as exc:
+            self.queue.events.emit(
+                ev.ERROR_WHILE_CANCEL,
+                {
+                    "queueId": queue_id,
+                    "queryKey": query_def.get("queryKey"),
+                    "queuePrefix": self.queue.prefix,
+                    "error": repr(exc),
+                },
+            )
+        finally:
+            if running_here and task is not None:
+                task.cancel()
+
+    def _execution_context(self, retrieved: RetrievedQuery) -> dict[str, Any]:
+        query = retrieved.query
+        inner = query.get("query")
+        flags: Mapping[str, Any] = inner if isinstance(inner, Mapping) else {}
+        return {
+            "queueId": retrieved.queue_id,
+            "processingId": retrieved.processing_id,
+            "queryKey": query.get("queryKey"),
+            "queuePrefix": self.queue.prefix,
+            "requestId": query.get("requestId"),
+            "queueSize": retrieved.queue_size,
+            "addedToQueueTime": query.get("addedToQueueTime"),
+            "metadata": flags.get("metadata"),
+            "preAggregationId": None,
+            "newVersionEntry": flags.get("newVersionEntry"),
+            "preAggregation": flags.get("preAggregation"),
+        }
+
+
+def _ms_since(started: float) -> int:
+    return round((time.monotonic() - started) * 1000)
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,125 @@
+"""The read-only QUEUE commands every store shares: LIST, PENDING, ACTIVE, TO_CANCEL
+(STALLED, ORPHANED) and the overview behind `queryqueue status`. A base of `QueueStore`,
+whose `_atomic` they read through, in one transaction each."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from typing import Any
+
+from queryqueue.engine import validation as v
+from queryqueue.engine.clock import Clock
+from queryqueue.engine.errors import InvalidCommandError
+from queryqueue.engine.records import Item, StoreTransaction
+from queryqueue.engine.responses import ItemStatus, ListResponse, ToCancelResponse
+from queryqueue.engine.waiters import ResultWaiters
+
+
+class ListingCommands(ABC):
+    clock: Clock
+    waiters: ResultWaiters
+
+    @abstractmethod
+    def _atomic(self) -> AbstractContextManager[StoreTransaction]: ...
+
+    # -- QUEUE LIST / PENDING / ACTIVE ---------------------------------------------------
+
+    def list_items(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]:
+        """QUEUE LIST [WITH_PAYLOAD] prefix: priority desc, then queue id asc."""
+        return self._list(prefix, None, with_payload, process_id, None)
+
+    def pending(
+        self,
+        prefix: str,
+        *,
+        with_payload: bool = False,
+        process_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[ListResponse]:
+        """QUEUE PENDING prefix: priority desc, then queue id asc. `limit` (our extension)
+        returns only the head, which is all reconcile reads."""
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 0
+        ):
+            raise InvalidCommandError("limit must be a non-negative integer")
+        return self._list(prefix, "pending", with_payload, process_id, limit)
+
+    def active(
+        self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
+    ) -> list[ListResponse]:
+        """QUEUE ACTIVE prefix: in queue id order."""
+        return self._list(prefix, "active", with_payload, process_id, None)
+
+    def _list(
+        self,
+        prefix: str,
+        status: ItemStatus | None,
+        with_payload: bool,
+        process_id: str | None,
+        limit: int | None,
+    ) -> list[ListResponse]:
+        v.check_prefix(prefix)
+        v.check_process_id(process_id)
+        with self._atomic() as tx:
+            items = tx.items(
+                prefix, status, process_id=process_id, with_payload=with_payload, limit=limit
+            )
+        return [
+            ListResponse(
+                id=item.key,
+                queue_id=item.id,
+                status=item.status,
+                extra=item.extra,
+                payload=item.payload if with_payload else None,
+            )
+            for item in items
+        ]
+
+    # -- QUEUE TO_CANCEL / STALLED / ORPHANED -------------------------------------------
+
+    def to_cancel(
+        self, heartbeat_timeout_ms: int | None, orphaned_timeout_ms: int | None, prefix: str
+    ) -> list[ToCancelResponse]:
+        """QUEUE TO_CANCEL: stalled active items, then orphaned pending ones. No visibility
+        filter: any process may reap any item."""
+        v.check_non_negative_ms("heartbeat timeout", heartbeat_timeout_ms, nullable=True)
+        v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms, nullable=True)
+        v.check_prefix(prefix)
+        now = self.clock.now_ms()
+        with self._atomic() as tx:
+            found: list[Item] = []
+            if heartbeat_timeout_ms is not None:
+                found += tx.stalled_items(prefix, now, heartbeat_timeout_ms)
+            if orphaned_timeout_ms is not None:
+                found += tx.orphaned_items(prefix, now, orphaned_timeout_ms)
+        return [ToCancelResponse(id=item.key, queue_id=item.id) for item in found]
+
+    def stalled(self, heartbeat_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
+        v.check_non_negative_ms("heartbeat timeout", heartbeat_timeout_ms)
+        return self.to_cancel(heartbeat_timeout_ms, None, prefix)
+
+    def orphaned(self, orphaned_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
+        v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms)
+        return self.to_cancel(None, orphaned_timeout_ms, prefix)
+
+    def describe(self) -> dict[str, Any]:
+        """What `queryqueue status` shows: per prefix counts and oldest age, results held."""
+        now = self.clock.now_ms()
+        with self._atomic() as tx:
+            prefixes, results = tx.overview(now)
+        return {
+            "prefixes": [
+                {
+                    "prefix": p.prefix,
+                    "pending": p.pending,
+                    "active": p.active,
+                    "oldest_age_ms": None if p.oldest_created is None else now - p.oldest_created,
+                }
+                for p in prefixes
+            ],
+            "results_held": results,
+            "waiters": self.waiters.count(),
+        }

@@ -1,0 +1,260 @@
+"""What a store keeps, and the hooks it implements: items and results as the rules see
+them, the row shapes SQL stores read them in, and `StoreTransaction`, the persistence seam
+every store fills in (`QueueStore` in `store.py` holds the rules)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from queryqueue.engine import validation as v
+from queryqueue.engine.errors import InvalidCommandError
+from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One queue item as stored. `payload` is only loaded when asked for."""
+
+    id: QueueId
+    prefix: str
+    key: str
+    status: ItemStatus
+    priority: int
+    created: int
+    heartbeat: int | None
+    orphaned: int | None  # absolute deadline in ms, only when ADD gave ORPHANED
+    extra: str | None
+    process_id: str | None
+    exclusive: bool
+    external_id: str | None
+    payload: str | None = None
+
+    @property
+    def path(self) -> str:
+        return f"{self.prefix}:{self.key}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResult:
+    id: QueueId
+    path: str
+    value: str
+    deleted: bool
+    expire: int
+    external_id: str | None
+    consumed_by: str | None = None  # the token of the RESULT-by-path read that consumed it
+
+
+# The QUEUE commands, by method name: what a supervisor serves to its clients.
+QUEUE_COMMANDS = (
+    "add",
+    "add_and_retrieve",
+    "retrieve",
+    "ack",
+    "result",
+    "result_blocking",
+    "get",
+    "cancel",
+    "heartbeat",
+    "merge_extra",
+    "list_items",
+    "pending",
+    "active",
+    "to_cancel",
+    "truncate",
+)
+
+# SQL stores read items and results in these column orders, and map rows back here.
+ITEM_COLUMNS = (
+    "id, prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id, "
+    "exclusive, external_id"
+)
+RESULT_COLUMNS = "id, path, value, deleted, expire, external_id, consumed_by"
+STATUS_CODE: dict[ItemStatus, int] = {"pending": 0, "active": 1}
+STATUS_NAME: dict[int, ItemStatus] = {0: "pending", 1: "active"}
+
+
+def item_from_row(row: Sequence[Any]) -> Item:
+    """An ITEM_COLUMNS row (plus payload, when selected) as an Item."""
+    return Item(
+        id=row[0],
+        prefix=row[1],
+        key=row[2],
+        status=STATUS_NAME[row[3]],
+        priority=row[4],
+        created=row[5],
+        heartbeat=row[6],
+        orphaned=row[7],
+        extra=row[8],
+        process_id=row[9],
+        exclusive=bool(row[10]),
+        external_id=row[11],
+        payload=row[12] if len(row) > 12 else None,
+    )
+
+
+def result_from_row(row: Sequence[Any] | None) -> StoredResult | None:
+    if row is None:
+        return None
+    return StoredResult(
+        id=row[0],
+        path=row[1],
+        value=row[2],
+        deleted=bool(row[3]),
+        expire=row[4],
+        external_id=row[5],
+        consumed_by=row[6],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixOverview:
+    prefix: str
+    pending: int
+    active: int
+    oldest_created: int | None
+
+
+class StoreTransaction(Protocol):
+    """Persistence hooks, all called inside one atomic transaction.
+
+    Orders: `items()` and `orphaned_items()` return priority desc, queue id asc, except that
+    `items(status="active")`, `active_keys()` and `stalled_items()` return queue id asc.
+    Result reads ignore rows whose `expire` is not after `now`.
+    """
+
+    def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None: ...
+
+    def external_id_taken(self, external_id: str) -> bool: ...
+
+    def insert(self, item: Item) -> QueueId:
+        """Insert a new item (its `id` is ignored) and return the id assigned to it."""
+        ...
+
+    def activate(self, item: Item, now: int) -> None: ...
+
+    def set_heartbeat(self, item: Item, now: int) -> None: ...
+
+    def set_orphaned(self, item: Item, deadline: int) -> None: ...
+
+    def set_extra(self, item: Item, extra: str | None) -> None: ...
+
+    def delete(self, item: Item) -> None: ...
+
+    def counts(self, prefix: str) -> tuple[int, int]:
+        """(pending, active) of the prefix, for all processes."""
+        ...
+
+    def active_keys(self, prefix: str) -> list[str]: ...
+
+    def items(
+        self,
+        prefix: str,
+        status: ItemStatus | None,
+        *,
+        process_id: str | None,
+        with_payload: bool,
+        limit: int | None,
+    ) -> list[Item]:
+        """Items visible to `process_id`: not exclusive, or exclusive and owned by it."""
+        ...
+
+    def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
+        """Pending items past their own deadline, or (without one) older than the timeout."""
+        ...
+
+    def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
+        """Active items whose heartbeat (or creation, without one) is older than the timeout."""
+        ...
+
+    def insert_result(self, result: StoredResult) -> None: ...
+
+    def result_by_id(self, id: QueueId, now: int) -> StoredResult | None: ...
+
+    def latest_result_by_path(self, path: str, now: int) -> StoredResult | None: ...
+
+    def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None: ...
+
+    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
+        """Mark consumed (once: a second mark keeps the first consumer)."""
+        ...
+
+    def delete_result(self, id: QueueId) -> None: ...
+
+    def purge_expired_results(self, now: int, limit: int) -> int: ...
+
+    def truncate(self) -> None: ...
+
+    def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
+        """Per prefix (pending, active, oldest item's creation), and results still held."""
+        ...
+
+    def refresh_active_heartbeats(self, now: int) -> int:
+        """Set the heartbeat of every active item to `now`; returns how many."""
+        ...
+
+    def acked(self, item: Item, result: str | None) -> None:
+        """The item was acked in this transaction: a store shared by several processes
+        tells the others here (their RESULT_BLOCKING waiters); others do nothing."""
+        ...
+
+
+def result_response(found: StoredResult) -> ResultResponse:
+    return ResultResponse(
+        payload=found.value, type=ResultStatus.SUCCESS, id=found.id, external_id=found.external_id
+    )
+
+
+def merge_extra_json(current: str | None, new: str) -> str | None:
+    """MERGE_EXTRA's rule: two JSON objects merge (new keys win); null clears; else replace."""
+    update = orjson.loads(new)
+    if update is None:
+        return None
+    if current is None:
+        return new
+    base = orjson.loads(current)
+    if isinstance(base, dict) and isinstance(update, dict):
+        return orjson.dumps({**base, **update}).decode()
+    return new
+
+
+def new_item(
+    path: str,
+    payload: str,
+    priority: int,
+    orphaned: float | None,
+    external_id: str | None,
+    exclusive: bool,
+    process_id: str | None,
+    now: int,
+) -> Item:
+    """ADD's arguments, checked (InvalidCommandError names the bad one), as a new item."""
+    prefix, key = v.split_path(path)
+    v.check_json("payload", payload)
+    v.check_priority(priority)
+    orphaned_ms = v.check_orphaned_seconds(orphaned)
+    v.check_external_id(external_id)
+    v.check_process_id(process_id)
+    if not isinstance(exclusive, bool):
+        raise InvalidCommandError("exclusive must be a bool")
+    if exclusive and process_id is None:
+        raise InvalidCommandError("EXCLUSIVE needs the process id of the connection")
+    return Item(
+        id=0,
+        prefix=prefix,
+        key=key,
+        status="pending",
+        priority=priority,
+        created=now,
+        heartbeat=None,
+        orphaned=None if orphaned_ms is None else now + orphaned_ms,
+        extra=None,
+        process_id=process_id,
+        exclusive=exclusive,
+        external_id=external_id,
+        payload=payload,
+    )
