@@ -89,30 +89,15 @@ class QueryQueue:
         self.heartbeat_interval = heartbeat_interval
         self.process_uid = process_uid or str(uuid.uuid4())
         self.fast_track = fast_track
-        # False where another process reconciles for this one (a supervisor for the
-        # processes of its worker pool): then this process reconciles only to pick up its
-        # own stream items.
-        self.reconcile = reconcile
+        self.reconcile = reconcile  # False: a supervisor reconciles for it (its own streams aside)
         self.clock: Clock = clock or SystemClock()
         self.events = Events(logger)
-        if driver is None or isinstance(driver, QueueStore):
-            driver = LocalQueueDriver(driver)
-        self.driver: QueueDriver = driver
-        self.connection = QueueConnection(
-            driver,
-            prefix,
-            process_uid=self.process_uid,
-            concurrency=concurrency,
-            continue_wait_timeout=continue_wait_timeout,
-            orphaned_timeout=orphaned_timeout,
-            heartbeat_timeout=heartbeat_interval * 4,
+        self.driver: QueueDriver = (
+            LocalQueueDriver(driver) if driver is None or isinstance(driver, QueueStore) else driver
         )
-        self.send_process_message_fn: SendProcessMessage = (
-            send_process_message_fn or self._execute_in_background
-        )
-        self.send_cancel_message_fn: SendCancelMessage = (
-            send_cancel_message_fn or self._cancel_in_background
-        )
+        self.connection = self._connection()
+        self.send_process_message_fn = send_process_message_fn or self._execute_in_background
+        self.send_cancel_message_fn = send_cancel_message_fn or self._cancel_in_background
         self.streams: dict[str, QueryStream] = {}
         self._stream_waiters: dict[str, set[asyncio.Future[QueryStream]]] = {}
         self._reconcile_task: asyncio.Task[None] | None = None
@@ -124,6 +109,18 @@ class QueryQueue:
         self._closed = False  # close(): refuses new work for good
         self.executor = Executor(self)
         self.requests = RequestSide(self)
+
+    def _connection(self) -> QueueConnection:
+        """The design doc's driver methods, bound to this queue's prefix and timeouts."""
+        return QueueConnection(
+            self.driver,
+            self.prefix,
+            process_uid=self.process_uid,
+            concurrency=self.concurrency,
+            continue_wait_timeout=self.continue_wait_timeout,
+            orphaned_timeout=self.orphaned_timeout,
+            heartbeat_timeout=self.heartbeat_interval * 4,
+        )
 
     # -- request side --------------------------------------------------------------------
 
