@@ -39,20 +39,18 @@ from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.errors import ExternalIdConflictError, StoreError
-from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
-from queryqueue.engine.store import (
-    DEFAULT_RESULT_TTL_MS,
+from queryqueue.engine.records import (
     ITEM_COLUMNS,
-    QUEUE_COMMANDS,
     RESULT_COLUMNS,
     STATUS_CODE,
     Item,
     PrefixOverview,
-    QueueStore,
     StoredResult,
     item_from_row,
     result_from_row,
 )
+from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
+from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
 from queryqueue.engine.waiters import AckEvent
 
 # An ACK from another host: the waiter reads the result itself (NOTIFY carries no payload).
@@ -353,6 +351,7 @@ class PostgresQueueStore(QueueStore):
         self.channel = f"queryqueue_ack_{schema}"
         self.reconnects = 0
         self._lock = threading.RLock()
+        self._inside = threading.local()
         self._conn: psycopg.Connection[Any] | None = None
         self._closed = False
         conn = self._connect()
@@ -415,6 +414,17 @@ class PostgresQueueStore(QueueStore):
                 raise StoreError(f"queue database: {exc}") from exc
             except psycopg.Error as exc:
                 raise StoreError(f"queue database: {exc}") from exc
+
+    def _run_command(self, run: Callable[[], T]) -> T:
+        # The one hook: every command (the command table's decorator) runs through here.
+        # A command inside another (STALLED calls TO_CANCEL) is retried by the outer one.
+        if getattr(self._inside, "command", False):
+            return run()
+        self._inside.command = True
+        try:
+            return self._again_if_disconnected(run)
+        finally:
+            self._inside.command = False
 
     def _again_if_disconnected(self, command: Callable[[], T]) -> T:
         """Run `command` again on a fresh connection while its connection broke before
@@ -525,22 +535,3 @@ class PostgresQueueStore(QueueStore):
         return ResultResponse(
             payload=value, type=ResultStatus.SUCCESS, id=event.id, external_id=event.external_id
         )
-
-
-def _retrying(method: Callable[..., T]) -> Callable[..., T]:
-    @functools.wraps(method)
-    def command(self: PostgresQueueStore, *args: Any, **kwargs: Any) -> T:
-        return self._again_if_disconnected(lambda: method(self, *args, **kwargs))
-
-    return command
-
-
-# Every synchronous command (RESULT_BLOCKING retries its own steps).
-for _name in (
-    *(c for c in QUEUE_COMMANDS if c != "result_blocking"),
-    "stalled",
-    "orphaned",
-    "describe",
-    "refresh_active_heartbeats",
-):
-    setattr(PostgresQueueStore, _name, _retrying(getattr(QueueStore, _name)))

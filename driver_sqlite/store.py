@@ -25,19 +25,18 @@ from typing import Any, Literal
 from queryqueue.driver_sqlite.schema import ACTIVE, PENDING, migrate
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.errors import StoreError
-from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
-from queryqueue.engine.store import (
-    DEFAULT_RESULT_TTL_MS,
+from queryqueue.engine.records import (
     ITEM_COLUMNS,
     RESULT_COLUMNS,
     STATUS_CODE,
     Item,
     PrefixOverview,
-    QueueStore,
     StoredResult,
     item_from_row,
     result_from_row,
 )
+from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
+from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
 
 Synchronous = Literal["NORMAL", "FULL"]
 

@@ -5,15 +5,19 @@ whose `_atomic` they read through, in one transaction each."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from queryqueue.engine import validation as v
 from queryqueue.engine.clock import Clock
+from queryqueue.engine.commands import queue_command
 from queryqueue.engine.errors import InvalidCommandError
 from queryqueue.engine.records import Item, StoreTransaction
 from queryqueue.engine.responses import ItemStatus, ListResponse, ToCancelResponse
 from queryqueue.engine.waiters import ResultWaiters
+
+T = TypeVar("T")
 
 
 class ListingCommands(ABC):
@@ -23,14 +27,19 @@ class ListingCommands(ABC):
     @abstractmethod
     def _atomic(self) -> AbstractContextManager[StoreTransaction]: ...
 
+    @abstractmethod
+    def _run_command(self, run: Callable[[], T]) -> T: ...
+
     # -- QUEUE LIST / PENDING / ACTIVE ---------------------------------------------------
 
+    @queue_command(response=ListResponse, many=True, take_process_id=True, resend="always")
     def list_items(
         self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
     ) -> list[ListResponse]:
         """QUEUE LIST [WITH_PAYLOAD] prefix: priority desc, then queue id asc."""
         return self._list(prefix, None, with_payload, process_id, None)
 
+    @queue_command(response=ListResponse, many=True, take_process_id=True, resend="always")
     def pending(
         self,
         prefix: str,
@@ -47,6 +56,7 @@ class ListingCommands(ABC):
             raise InvalidCommandError("limit must be a non-negative integer")
         return self._list(prefix, "pending", with_payload, process_id, limit)
 
+    @queue_command(response=ListResponse, many=True, take_process_id=True, resend="always")
     def active(
         self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
     ) -> list[ListResponse]:
@@ -80,6 +90,7 @@ class ListingCommands(ABC):
 
     # -- QUEUE TO_CANCEL / STALLED / ORPHANED -------------------------------------------
 
+    @queue_command(response=ToCancelResponse, many=True, resend="always")
     def to_cancel(
         self, heartbeat_timeout_ms: int | None, orphaned_timeout_ms: int | None, prefix: str
     ) -> list[ToCancelResponse]:
@@ -97,14 +108,17 @@ class ListingCommands(ABC):
                 found += tx.orphaned_items(prefix, now, orphaned_timeout_ms)
         return [ToCancelResponse(id=item.key, queue_id=item.id) for item in found]
 
+    @queue_command(response=ToCancelResponse, many=True, resend="always", served=False)
     def stalled(self, heartbeat_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
         v.check_non_negative_ms("heartbeat timeout", heartbeat_timeout_ms)
         return self.to_cancel(heartbeat_timeout_ms, None, prefix)
 
+    @queue_command(response=ToCancelResponse, many=True, resend="always", served=False)
     def orphaned(self, orphaned_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
         v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms)
         return self.to_cancel(None, orphaned_timeout_ms, prefix)
 
+    @queue_command(served=False)
     def describe(self) -> dict[str, Any]:
         """What `queryqueue status` shows: per prefix counts and oldest age, results held."""
         now = self.clock.now_ms()

@@ -12,14 +12,13 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from queryqueue.engine.clock import Clock
-from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
-from queryqueue.engine.store import (
-    DEFAULT_RESULT_TTL_MS,
+from queryqueue.engine.records import (
     Item,
     PrefixOverview,
-    QueueStore,
     StoredResult,
 )
+from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
+from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
 
 
 class _State:

@@ -49,25 +49,6 @@ class StoredResult:
     consumed_by: str | None = None  # the token of the RESULT-by-path read that consumed it
 
 
-# The QUEUE commands, by method name: what a supervisor serves to its clients.
-QUEUE_COMMANDS = (
-    "add",
-    "add_and_retrieve",
-    "retrieve",
-    "ack",
-    "result",
-    "result_blocking",
-    "get",
-    "cancel",
-    "heartbeat",
-    "merge_extra",
-    "list_items",
-    "pending",
-    "active",
-    "to_cancel",
-    "truncate",
-)
-
 # SQL stores read items and results in these column orders, and map rows back here.
 ITEM_COLUMNS = (
     "id, prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id, "

@@ -30,10 +30,12 @@ from abc import abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from typing import TypeVar
 
 from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock, SystemClock
+from queryqueue.engine.commands import queue_command
 from queryqueue.engine.errors import (
     ExclusiveAccessError,
     ExternalIdConflictError,
@@ -41,19 +43,11 @@ from queryqueue.engine.errors import (
 )
 from queryqueue.engine.listing import ListingCommands
 from queryqueue.engine.records import (
-    ITEM_COLUMNS,
-    QUEUE_COMMANDS,
-    RESULT_COLUMNS,
-    STATUS_CODE,
-    STATUS_NAME,
     Item,
-    PrefixOverview,
     StoredResult,
     StoreTransaction,
-    item_from_row,
     merge_extra_json,
     new_item,
-    result_from_row,
     result_response,
 )
 from queryqueue.engine.responses import (
@@ -68,23 +62,7 @@ from queryqueue.engine.responses import (
 )
 from queryqueue.engine.waiters import AckEvent, ResultWaiters
 
-# Re-exported: the stores and the server import these from here.
-__all__ = [
-    "DEFAULT_RESULT_TTL_MS",
-    "ITEM_COLUMNS",
-    "QUEUE_COMMANDS",
-    "RESULT_COLUMNS",
-    "STATUS_CODE",
-    "STATUS_NAME",
-    "Item",
-    "PrefixOverview",
-    "QueueStore",
-    "StoreTransaction",
-    "StoredResult",
-    "item_from_row",
-    "result_from_row",
-]
-
+T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
 # ACK deletes at most this many expired results, so cleanup never makes one command slow.
 PURGE_BATCH = 64
@@ -118,12 +96,18 @@ class QueueStore(ListingCommands):
         happen once the batch has committed. Stores that commit in memory need no batching."""
         return nullcontext()
 
+    def _run_command(self, run: Callable[[], T]) -> T:
+        """Every command runs through here (the command table's decorator): a store that
+        must re-run a command on a fresh connection overrides this, nothing else."""
+        return run()
+
     def _after_commit(self, effect: Callable[[], object]) -> None:
         """Run `effect` once the current command's changes are committed."""
         effect()
 
     # -- QUEUE ADD / ADD_AND_RETRIEVE -------------------------------------------------
 
+    @queue_command(response=AddToQueueResponse, take_process_id=True, resend="always", adds=True)
     def add(
         self,
         path: str,
@@ -155,6 +139,7 @@ class QueueStore(ListingCommands):
             queue_id = tx.insert(new)
             return AddToQueueResponse(id=queue_id, added=True, pending=pending + 1)
 
+    @queue_command(response=AddAndRetrieveResponse, take_process_id=True, adds=True)
     def add_and_retrieve(
         self,
         path: str,
@@ -225,6 +210,7 @@ class QueueStore(ListingCommands):
 
     # -- QUEUE RETRIEVE ----------------------------------------------------------------
 
+    @queue_command(response=RetrieveResponse, take_process_id=True)
     def retrieve(
         self,
         key: QueueKey,
@@ -284,6 +270,7 @@ class QueueStore(ListingCommands):
 
     # -- QUEUE ACK / RESULT / RESULT_BLOCKING ------------------------------------------
 
+    @queue_command(response=AckResponse, resend="by_id", frees_slot=True)
     def ack(self, key: QueueKey, result: str | None) -> AckResponse:
         """QUEUE ACK key result|NULL: remove the item (any status), keep its result, and
         wake every RESULT_BLOCKING waiter of it. Unknown or already acked → success False."""
@@ -324,6 +311,7 @@ class QueueStore(ListingCommands):
         for watcher in list(self.slot_watchers):
             watcher()
 
+    @queue_command(response=ResultResponse, resend="by_id")
     def result(
         self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
     ) -> ResultResponse | None:
@@ -385,6 +373,7 @@ class QueueStore(ListingCommands):
             tx.mark_result_deleted(found.id)
         return found
 
+    @queue_command(response=ResultResponse, resend="by_id")
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         """QUEUE RESULT_BLOCKING timeout key: RESULT, or wait up to `timeout_ms` for the ACK.
 
@@ -421,6 +410,7 @@ class QueueStore(ListingCommands):
 
     # -- QUEUE GET / CANCEL / HEARTBEAT / MERGE_EXTRA ---------------------------------
 
+    @queue_command(response=QueryDefResponse, resend="always")
     def get(self, key: QueueKey) -> QueryDefResponse | None:
         v.check_key(key)
         with self._atomic() as tx:
@@ -429,6 +419,7 @@ class QueueStore(ListingCommands):
             return None
         return QueryDefResponse(payload=item.payload, extra=item.extra)
 
+    @queue_command(response=QueryDefResponse, resend="by_id", frees_slot=True)
     def cancel(self, key: QueueKey, *, result: str | None = None) -> QueryDefResponse | None:
         """QUEUE CANCEL key: remove a pending or active item. No result, no wake-up.
 
@@ -448,6 +439,7 @@ class QueueStore(ListingCommands):
                 self._complete(tx, item, result)
         return QueryDefResponse(payload=item.payload, extra=item.extra)
 
+    @queue_command(resend="always")
     def heartbeat(self, key: QueueKey) -> bool:
         """QUEUE HEARTBEAT key. Returns whether the item exists (Cube Store answers nothing)."""
         v.check_key(key)
@@ -459,6 +451,7 @@ class QueueStore(ListingCommands):
             tx.set_heartbeat(item, now)
             return True
 
+    @queue_command(resend="always")
     def merge_extra(self, key: QueueKey, extra: str) -> bool:
         """QUEUE MERGE_EXTRA key json: shallow-merge two JSON objects (new keys win); a JSON
         null clears extra; anything else replaces it. Returns whether the item exists."""
@@ -471,6 +464,7 @@ class QueueStore(ListingCommands):
             tx.set_extra(item, merge_extra_json(item.extra, extra))
             return True
 
+    @queue_command(served=False)
     def refresh_active_heartbeats(self) -> int:
         """Give every active item a fresh heartbeat (not a QUEUE command).
 
@@ -484,6 +478,7 @@ class QueueStore(ListingCommands):
 
     # -- QUEUE TRUNCATE -----------------------------------------------------------------
 
+    @queue_command()
     def truncate(self) -> None:
         """Remove every item and result of every prefix. Queue ids are never reused."""
         with self._atomic() as tx:

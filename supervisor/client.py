@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from queryqueue.engine.aio import wait_within
+from queryqueue.engine.commands import served
 from queryqueue.engine.errors import (
     AuthenticationError,
     CommandTimeoutError,
@@ -59,21 +60,9 @@ _log = logging.getLogger("queryqueue.client")
 # Room in a frame for an ACK's envelope around its result (id, command, key, quoting).
 _FRAME_OVERHEAD = 4096
 
-_ALWAYS_SAFE = {
-    "add",
-    "get",
-    "list_items",
-    "pending",
-    "active",
-    "to_cancel",
-    "heartbeat",
-    "merge_extra",
-    "stats",
-    "ping",
-    "shm_release",
-}
-# Safe when they name the item by queue id (or, for RESULT, read by external id).
-_SAFE_BY_ID = {"ack", "cancel", "result", "result_blocking"}
+COMMANDS = served()
+# Supervisor commands (not the store's) that are safe to send twice.
+_SUPERVISOR_SAFE = {"stats", "ping", "shm_release", "watch"}
 
 
 class _ConnectionLost(Exception):
@@ -81,15 +70,19 @@ class _ConnectionLost(Exception):
 
 
 def _retry_safe(method: str, args: list[Any], kwargs: dict[str, Any]) -> bool:
-    if method in _ALWAYS_SAFE:
+    """May this command be sent again after its answer was lost? As the store declares."""
+    if method in _SUPERVISOR_SAFE:
         return True
-    if method in _SAFE_BY_ID:
-        return (
-            (bool(args) and isinstance(args[0], int))
-            or kwargs.get("external_id") is not None
-            or kwargs.get("consumer") is not None
-        )
-    return False
+    command = COMMANDS.get(method)
+    if command is None or command.resend == "never":
+        return False
+    if command.resend == "always":
+        return True
+    return (
+        (bool(args) and isinstance(args[0], int))
+        or kwargs.get("external_id") is not None
+        or kwargs.get("consumer") is not None
+    )
 
 
 class _Link:

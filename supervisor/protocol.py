@@ -22,16 +22,10 @@ from typing import Any
 import orjson
 
 from queryqueue.engine import errors
+from queryqueue.engine.commands import Command, served
 from queryqueue.engine.responses import (
-    AckResponse,
-    AddAndRetrieveResponse,
-    AddToQueueResponse,
-    ListResponse,
-    QueryDefResponse,
     ResultResponse,
     ResultStatus,
-    RetrieveResponse,
-    ToCancelResponse,
 )
 from queryqueue.engine.retrieved import RetrievedQuery
 
@@ -125,20 +119,16 @@ def _result(data: Any) -> ResultResponse | None:
     )
 
 
-DECODERS: dict[str, Any] = {
-    "add": _one(AddToQueueResponse),
-    "add_and_retrieve": _one(AddAndRetrieveResponse),
-    "retrieve": _one(RetrieveResponse),
-    "ack": _one(AckResponse),
-    "result": _result,
-    "result_blocking": _result,
-    "get": _one(QueryDefResponse),
-    "cancel": _one(QueryDefResponse),
-    "list_items": _many(ListResponse),
-    "pending": _many(ListResponse),
-    "active": _many(ListResponse),
-    "to_cancel": _many(ToCancelResponse),
-}
+def _decoder(command: Command) -> Any:
+    if command.response is ResultResponse:
+        return _result
+    if command.response is None:
+        return lambda data: data
+    return _many(command.response) if command.many else _one(command.response)
+
+
+# Each command's answer back into its response type, as the store declares it.
+DECODERS: dict[str, Any] = {name: _decoder(c) for name, c in served().items()}
 
 
 def raise_error(payload: dict[str, Any]) -> None:

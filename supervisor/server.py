@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from queryqueue.engine.commands import served
 from queryqueue.engine.connection import decode_def
 from queryqueue.engine.errors import (
     AuthenticationError,
@@ -31,7 +32,7 @@ from queryqueue.engine.errors import (
     StoreError,
 )
 from queryqueue.engine.retrieved import RetrievedQuery
-from queryqueue.engine.store import QUEUE_COMMANDS, QueueStore
+from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
 from queryqueue.supervisor import guard, sqltext
 from queryqueue.supervisor.pool import WorkerPool
@@ -44,12 +45,9 @@ from queryqueue.supervisor.protocol import (
 )
 from queryqueue.supervisor.shm import SegmentPool, name_prefix, parse_reference
 
-# Commands a client may call, and which of them take the connection's process id.
-COMMANDS = frozenset(QUEUE_COMMANDS)
-_TAKES_PROCESS_ID = {"add", "add_and_retrieve", "retrieve", "list_items", "pending", "active"}
+# The QUEUE commands a client may call, as the store declares them.
+COMMANDS = served()
 _LATENCY_SAMPLES = 2048
-# Commands after which the pool's queue may have something to retrieve.
-_POKES = {"add", "add_and_retrieve", "ack", "cancel"}
 
 
 @dataclass
@@ -520,7 +518,7 @@ class QueueServer:
                 return None
             if method not in COMMANDS:
                 raise InvalidCommandError(f"unknown command {method!r}")
-        if method in _TAKES_PROCESS_ID and "process_id" not in kwargs:
+        if COMMANDS[method].take_process_id and "process_id" not in kwargs:
             kwargs["process_id"] = connection.process_id
         shape = self._shapes.get(method)
         if shape is None:
@@ -612,8 +610,9 @@ class QueueServer:
             return False, StoreError(f"{request.method} failed: {exc!r}")
 
     def _answer(self, request: _Request, ok: bool, answer: Any) -> None:
-        if ok and request.method in _POKES and self.pool is not None:
-            self.pool.poke(freed=request.method in ("ack", "cancel"))
+        command = COMMANDS.get(request.method)
+        if ok and command is not None and (command.adds or command.frees_slot) and self.pool:
+            self.pool.poke(freed=command.frees_slot)
             if request.method == "cancel" and answer is not None and request.args:
                 self.pool.removed(request.args[0])  # its worker hears of it now
         if ok and request.method == "ack" and len(request.args) == 2:
