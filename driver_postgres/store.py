@@ -278,7 +278,7 @@ class PostgresTransaction:
             )
         )
 
-    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
+    def mark_result_consumed(self, id: QueueId, consumer: str | None = None) -> None:
         self._c.execute(
             "UPDATE results SET deleted = true, consumed_by = %s WHERE id = %s AND NOT deleted",
             (consumer, id),
@@ -529,7 +529,7 @@ class PostgresQueueStore(QueueStore):
                     return None  # expired meanwhile
             # As in every store: a waiter by path takes the row, a waiter by id leaves it.
             if isinstance(key, int):
-                tx.mark_result_deleted(event.id)
+                tx.mark_result_consumed(event.id)
             else:
                 tx.delete_result(event.id)
         return ResultResponse(

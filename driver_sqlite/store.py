@@ -216,7 +216,7 @@ class SqliteTransaction:
             )
         )
 
-    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
+    def mark_result_consumed(self, id: QueueId, consumer: str | None = None) -> None:
         self._c.execute(
             "UPDATE results SET deleted = 1, consumed_by = ? WHERE id = ? AND deleted = 0",
             (consumer, id),

@@ -48,11 +48,11 @@ async def get_query_stage(
 ) -> dict[str, Any] | None:
     """`{"stage": "Executing query", "timeElapsed": ms}`, `{"stage": "#N in queue"}` or None."""
     active, to_process, defs = stage_state or await queue.fetch_query_stage_state()
-    wanted = queue.redis_hash(stage_query_key)
+    wanted = queue.hash_query_key(stage_query_key)
     for query_key_hash, query_def in defs.items():
         if query_def.get("stageQueryKey") is None:
             continue
-        if queue.redis_hash(query_def["stageQueryKey"]) != wanted:
+        if queue.hash_query_key(query_def["stageQueryKey"]) != wanted:
             continue
         if priority_filter is not None and query_def.get("priority") != priority_filter:
             continue

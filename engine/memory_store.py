@@ -221,7 +221,7 @@ class MemoryTransaction:
                 return found
         return None
 
-    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
+    def mark_result_consumed(self, id: QueueId, consumer: str | None = None) -> None:
         before = self._s.results.get(id)
         if before is None or before.deleted:
             return

@@ -124,7 +124,7 @@ class QueryQueue:
 
     # -- request side --------------------------------------------------------------------
 
-    def redis_hash(self, query_key: Any, *, persistent: bool = False) -> str:
+    def hash_query_key(self, query_key: Any, *, persistent: bool = False) -> str:
         return hash_query_key(query_key, persistent=persistent, process_uid=self.process_uid)
 
     async def execute_in_queue(

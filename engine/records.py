@@ -160,7 +160,7 @@ class StoreTransaction(Protocol):
 
     def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None: ...
 
-    def mark_result_deleted(self, id: QueueId, consumer: str | None = None) -> None:
+    def mark_result_consumed(self, id: QueueId, consumer: str | None = None) -> None:
         """Mark consumed (once: a second mark keeps the first consumer)."""
         ...
 

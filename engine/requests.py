@@ -53,7 +53,7 @@ class RequestSide:
         self._check(request)
         is_stream = request.query_handler == STREAM_HANDLER
         flags: Mapping[str, Any] = request.query if isinstance(request.query, Mapping) else {}
-        query_key_hash = self.queue.redis_hash(request.query_key, persistent=is_stream)
+        query_key_hash = self.queue.hash_query_key(request.query_key, persistent=is_stream)
         external_id = _external_id(request.request_id)
         conn = self.queue.connection
         if not flags.get("forceBuild"):

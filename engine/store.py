@@ -359,7 +359,7 @@ class QueueStore(ListingCommands):
                 return result_response(found)
             if external_id is not None and found.external_id not in (None, external_id):
                 return None
-            tx.mark_result_deleted(found.id, consumer)
+            tx.mark_result_consumed(found.id, consumer)
             return result_response(found)
 
     def _blocking_lookup(
@@ -370,7 +370,7 @@ class QueueStore(ListingCommands):
         subscribed makes no difference."""
         found = self._lookup_result(tx, key, None, now)
         if found is not None and isinstance(key, int):
-            tx.mark_result_deleted(found.id)
+            tx.mark_result_consumed(found.id)
         return found
 
     @queue_command(response=ResultResponse, resend="by_id")
@@ -398,7 +398,7 @@ class QueueStore(ListingCommands):
             with self._atomic() as tx:
                 # Cube Store: a waiter by path takes the row, a waiter by id leaves it readable.
                 if isinstance(key, int):
-                    tx.mark_result_deleted(event.id)
+                    tx.mark_result_consumed(event.id)
                 else:
                     tx.delete_result(event.id)
         return ResultResponse(

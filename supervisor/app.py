@@ -159,7 +159,7 @@ class QueueApp:
         """Cancel the query of this key: its waiters get `QueryCancelledError`, the worker
         running it its cancel handler. False if it was neither queued nor running."""
         queue = self.client_queue()
-        return await queue.cancel_query(queue.redis_hash(query_key))
+        return await queue.cancel_query(queue.hash_query_key(query_key))
 
     async def execute_in_queue(
         self, query_handler: str, query_key: Any, query: Any, priority: int = 0, **options: Any

@@ -76,7 +76,7 @@ async def test_a_query_that_kills_its_worker_three_times_fails_for_every_waiter(
     await wait_until(lambda: _pool_size(harsh, 2), within=30, what="workers replaced")
     assert (await _pool(harsh))["replaced"] == 3
     assert "killed its worker 3 times" in harsh.log.read_text()
-    assert f"harsh:{app.client_queue().redis_hash('doom')}" in harsh.log.read_text()
+    assert f"harsh:{app.client_queue().hash_query_key('doom')}" in harsh.log.read_text()
 
 
 async def _pool_size(supervisor: SupervisorProcess, size: int) -> bool:

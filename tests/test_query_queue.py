@@ -341,7 +341,9 @@ async def test_orphaned_item_is_reaped_while_polled_item_survives(
             await queue.execute_in_queue("sql", "polled", "polled")  # re-ADD keeps it alive
     assert [c["query"] for c in rec.cancelled] == ["abandoned"]
     assert rec.named(ev.REMOVING_ORPHANED)
-    assert [row.id for row in await queue.driver.pending(PREFIX)] == [queue.redis_hash("polled")]
+    assert [row.id for row in await queue.driver.pending(PREFIX)] == [
+        queue.hash_query_key("polled")
+    ]
     rec.gate.set()
     await asyncio.gather(blocker, return_exceptions=True)  # its caller stopped waiting long ago
     assert await _retry(queue, "polled") == {"echo": "polled"}
@@ -431,7 +433,7 @@ async def test_manual_cancel_calls_cancel_handler_and_stops_the_query(
     )
     caller = asyncio.create_task(queue.execute_in_queue("sql", "to-cancel", "to-cancel"))
     await wait_until(lambda: rec.running == 1)
-    assert await queue.cancel_query(queue.redis_hash("to-cancel"))
+    assert await queue.cancel_query(queue.hash_query_key("to-cancel"))
     await wait_until(lambda: rec.running == 0 and len(rec.cancelled) == 1)
     assert rec.cancelled[0]["query"] == "to-cancel"
     assert rec.named(ev.CANCELLING_MANUAL)
@@ -478,7 +480,7 @@ async def test_external_cancellation_is_noticed_once_on_the_heartbeat(
     await wait_until(lambda: rec.running == 1)
     # Removed by someone else: the runner learns only through its heartbeat.
     assert (
-        await other_process.connection.get_query_and_remove(runner.redis_hash("ext"), None)
+        await other_process.connection.get_query_and_remove(runner.hash_query_key("ext"), None)
         is not None
     )
     await wait_until(lambda: len(rec.named(ev.CANCELLING_EXTERNAL)) == 1)
@@ -535,7 +537,7 @@ async def test_persistent_keys_of_another_process_are_never_picked(
         stream_handler=stream_handler,
         process_uid="11111111-1111-4111-8111-111111111111",
     )
-    persistent = owner.redis_hash("stream-key", persistent=True)
+    persistent = owner.hash_query_key("stream-key", persistent=True)
     assert persistent.endswith("@11111111-1111-4111-8111-111111111111")
     await shared_driver.add(
         f"{PREFIX}:{persistent}",
@@ -672,7 +674,7 @@ async def test_get_query_stage_reports_executing_and_position(
     ]
     # Cube's entries name the hash as `queryKey`: the idiom below cancels that query.
     third = next(q for q in queries if q["query"] == "third")
-    assert third["queryKey"] == queue.redis_hash("third")
+    assert third["queryKey"] == queue.hash_query_key("third")
     assert await queue.cancel_query(third["queryKey"]) is True
     with pytest.raises(QueryCancelledError):
         await calls[2]
@@ -802,13 +804,13 @@ async def test_every_waiter_of_a_cancelled_query_gets_query_cancelled(
     )
     waiters = [asyncio.create_task(queue.run("sql", "doomed", "doomed")) for _ in range(3)]
     await wait_until(lambda: rec.running == 1)
-    assert await queue.cancel_query(queue.redis_hash("doomed")) is True
+    assert await queue.cancel_query(queue.hash_query_key("doomed")) is True
     outcomes = await asyncio.gather(*waiters, return_exceptions=True)
     assert [type(o) for o in outcomes] == [QueryCancelledError] * 3
     assert rec.calls == ["doomed"]  # nobody's retry ran it again
     await wait_until(lambda: rec.running == 0 and len(rec.cancelled) == 1)
     # Nothing left to cancel: said so.
-    assert await queue.cancel_query(queue.redis_hash("doomed")) is False
+    assert await queue.cancel_query(queue.hash_query_key("doomed")) is False
 
 
 async def test_a_handler_error_reaches_the_caller_with_its_type_and_traceback(
