@@ -31,6 +31,7 @@ from queryqueue import (
     SyncQueryQueue,
 )
 from queryqueue.engine import events as ev
+from queryqueue.engine.clock import ManualClock
 from queryqueue.engine.responses import ListResponse
 from tests.supervisor_util import SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until
@@ -384,11 +385,12 @@ async def test_stalled_item_is_reaped_and_retry_executes_afresh(
         heartbeat_interval=0.05,  # stalled after 0.2 s without a heartbeat
         logger=rec.log,
     )
-    deadline = time.monotonic() + 10
-    while not rec.cancelled:  # reconcile is what reaps: run it until the heartbeat timeout passes
-        assert time.monotonic() < deadline, "stalled item never reaped"
+
+    async def reaped() -> bool:  # reconcile is what reaps
         await alive.reconcile_queue()
-        await asyncio.sleep(0.01)
+        return bool(rec.cancelled)
+
+    await wait_until(reaped, what="the stalled item reaped")
     assert [c["query"] for c in rec.cancelled] == ["stalls"]
     assert await _retry(alive, "stalls") == {"echo": "stalls"}
     assert rec.calls == ["stalls"]
@@ -407,14 +409,25 @@ async def test_sync_handler_keeps_heartbeating_while_it_blocks(
     queue = make_queue(
         query_handlers={"sql": blocking},
         cancel_handlers={"sql": rec.cancel},
-        heartbeat_interval=0.1,
+        heartbeat_interval=0.1,  # stalled after 0.4 s without a heartbeat
     )
+    beats = 0
+    heartbeat = queue.driver.heartbeat
+
+    async def counted(key: Any) -> bool:
+        nonlocal beats
+        beats += 1
+        return await heartbeat(key)
+
+    queue.driver.heartbeat = counted  # type: ignore[method-assign]
     caller = asyncio.create_task(queue.execute_in_queue("sql", "blocking", {}))
     await wait_until(lambda: _active(queue))
-    blocked_since = time.monotonic()
-    while time.monotonic() - blocked_since < 1.2:  # three heartbeat timeouts
-        await queue.reconcile_queue()
-        await asyncio.sleep(0.02)
+
+    async def beaten_through_three_timeouts() -> bool:
+        await queue.reconcile_queue()  # what would reap it, were it stalled
+        return beats >= 12
+
+    await wait_until(beaten_through_three_timeouts, what="twelve heartbeats")
     assert rec.cancelled == []
     defs = await _items(queue)
     assert defs and '"cancelHandler":"pid-1"' in (defs[0].extra or "")
@@ -511,7 +524,7 @@ async def test_reconcile_is_single_flight_with_one_extra_run(make_queue: MakeQue
     first = asyncio.create_task(queue.reconcile_queue())
     await entered.wait()
     others = [asyncio.create_task(queue.reconcile_queue()) for _ in range(10)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # a loop turn (no time passes): the ten calls are made
     assert runs == 1
     release.set()
     await asyncio.gather(first, *others)
@@ -886,3 +899,32 @@ async def test_a_stream_owner_is_nudged_when_a_slot_frees_not_a_long_poll_later(
     rows = await stream.rows()
     assert rows == [0, 1, 2]
     assert await busy == {"echo": "busy"}
+
+
+async def test_the_heartbeat_is_stepped_by_the_injected_clock(rec: Recorder) -> None:
+    clock = ManualClock()
+    store = MemoryQueueStore(clock=clock)
+    queue = QueryQueue(
+        "hb",
+        query_handlers={"sql": rec.gated},
+        cancel_handlers={"sql": rec.cancel},
+        driver=store,
+        clock=clock,
+        heartbeat_interval=10.0,
+    )
+    caller = asyncio.create_task(queue.execute_in_queue("sql", "beaten", "beaten"))
+    try:
+        await wait_until(lambda: rec.running == 1 and clock.sleepers == 1)
+        assert store.stalled(5_000, "hb") == []
+        clock.advance(10_000)  # one heartbeat period, with no real time passing
+        # Beaten at the new time: not stalled for 5 s although 10 s passed since it began.
+        await wait_until(lambda: clock.sleepers == 1 and store.stalled(5_000, "hb") == [])
+        # Removed by someone else: the next stepped beat notices and cancels it here.
+        store.cancel(store.active("hb")[0].queue_id)
+        clock.advance(10_000)
+        await wait_until(lambda: len(rec.cancelled) == 1 and rec.running == 0)
+        assert rec.cancelled[0]["cancelHandler"] == {"kill": "beaten"}
+    finally:
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        await queue.close(grace=0)
