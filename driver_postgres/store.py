@@ -331,6 +331,13 @@ class PostgresTransaction:
 
 
 class PostgresQueueStore(QueueStore):
+    """`statement_timeout`, `lock_timeout` and `idle_in_transaction_timeout` (seconds) are
+    set on every session, with TCP keepalives: a command that waits longer (a lock held
+    by another client, a database that stopped answering) fails with a StoreError naming
+    the timeout, on the store's own thread; the supervisor's loop never waits for it."""
+
+    blocking = True
+
     def __init__(
         self,
         url: str,
@@ -340,8 +347,16 @@ class PostgresQueueStore(QueueStore):
         result_ttl_ms: int = DEFAULT_RESULT_TTL_MS,
         recheck_ms: int = 1_000,
         connect_timeout: float = 10.0,
+        statement_timeout: float = 30.0,
+        lock_timeout: float = 10.0,
+        idle_in_transaction_timeout: float = 60.0,
     ) -> None:
         super().__init__(clock=clock, result_ttl_ms=result_ttl_ms)
+        self.session_options = (
+            f"-c statement_timeout={round(statement_timeout * 1000)}"
+            f" -c lock_timeout={round(lock_timeout * 1000)}"
+            f" -c idle_in_transaction_session_timeout={round(idle_in_transaction_timeout * 1000)}"
+        )
         if not schema.replace("_", "").isalnum():
             raise ValueError(f"schema must be letters, digits and _, got {schema!r}")
         self.url = url
@@ -376,7 +391,12 @@ class PostgresQueueStore(QueueStore):
                 self.url,
                 autocommit=autocommit,
                 connect_timeout=max(1, int(self.connect_timeout)),
-                options=f"-c search_path={self.schema}",
+                options=f"-c search_path={self.schema} {self.session_options}",
+                # A peer that stops answering is noticed in about 20 s, not hours later.
+                keepalives=1,
+                keepalives_idle=10,
+                keepalives_interval=5,
+                keepalives_count=2,
                 # Says whose connection this is in pg_stat_activity.
                 application_name=f"queryqueue:{self.schema}",
             )
@@ -445,6 +465,7 @@ class PostgresQueueStore(QueueStore):
 
     def close(self) -> None:
         self._closed = True
+        self._stop_thread()
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
@@ -498,7 +519,9 @@ class PostgresQueueStore(QueueStore):
         while True:
             waiter = self.waiters.subscribe(key)
             try:
-                found = self._again_if_disconnected(functools.partial(self._lookup, key))
+                found: ResultResponse | None = await self.run_off_loop(
+                    self._again_if_disconnected, functools.partial(self._lookup, key)
+                )
                 if found is not None:
                     return found
                 remaining = deadline - loop.time()
@@ -510,7 +533,10 @@ class PostgresQueueStore(QueueStore):
                     continue  # the bounded re-check
             finally:
                 self.waiters.unsubscribe(waiter)
-            return self._again_if_disconnected(functools.partial(self._take, key, event))
+            taken: ResultResponse | None = await self.run_off_loop(
+                self._again_if_disconnected, functools.partial(self._take, key, event)
+            )
+            return taken
 
     def _lookup(self, key: QueueKey) -> ResultResponse | None:
         with self._atomic() as tx:

@@ -146,7 +146,8 @@ class LocalQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
     ) -> AddToQueueResponse:
-        return self.store.add(
+        return await self.store.run_off_loop(
+            self.store.add,
             path,
             payload,
             priority=priority,
@@ -168,7 +169,8 @@ class LocalQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
     ) -> AddAndRetrieveResponse:
-        return self.store.add_and_retrieve(
+        return await self.store.run_off_loop(
+            self.store.add_and_retrieve,
             path,
             payload,
             concurrency,
@@ -187,37 +189,45 @@ class LocalQueueDriver:
         extended: bool = True,
         process_id: str | None = None,
     ) -> RetrieveResponse | None:
-        return self.store.retrieve(
-            key, concurrency=concurrency, extended=extended, process_id=process_id
+        return await self.store.run_off_loop(
+            self.store.retrieve,
+            key,
+            concurrency=concurrency,
+            extended=extended,
+            process_id=process_id,
         )
 
     async def ack(self, key: QueueKey, result: str | None) -> AckResponse:
-        return self.store.ack(key, result)
+        return await self.store.run_off_loop(self.store.ack, key, result)
 
     async def result(
         self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
     ) -> ResultResponse | None:
-        return self.store.result(key, external_id=external_id, consumer=consumer)
+        return await self.store.run_off_loop(
+            self.store.result, key, external_id=external_id, consumer=consumer
+        )
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         return await self.store.result_blocking(key, timeout_ms)
 
     async def get(self, key: QueueKey) -> QueryDefResponse | None:
-        return self.store.get(key)
+        return await self.store.run_off_loop(self.store.get, key)
 
     async def cancel(self, key: QueueKey, *, result: str | None = None) -> QueryDefResponse | None:
-        return self.store.cancel(key, result=result)
+        return await self.store.run_off_loop(self.store.cancel, key, result=result)
 
     async def heartbeat(self, key: QueueKey) -> bool:
-        return self.store.heartbeat(key)
+        return await self.store.run_off_loop(self.store.heartbeat, key)
 
     async def merge_extra(self, key: QueueKey, extra: str) -> bool:
-        return self.store.merge_extra(key, extra)
+        return await self.store.run_off_loop(self.store.merge_extra, key, extra)
 
     async def list_items(
         self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
     ) -> list[ListResponse]:
-        return self.store.list_items(prefix, with_payload=with_payload, process_id=process_id)
+        return await self.store.run_off_loop(
+            self.store.list_items, prefix, with_payload=with_payload, process_id=process_id
+        )
 
     async def pending(
         self,
@@ -227,33 +237,41 @@ class LocalQueueDriver:
         process_id: str | None = None,
         limit: int | None = None,
     ) -> list[ListResponse]:
-        return self.store.pending(
-            prefix, with_payload=with_payload, process_id=process_id, limit=limit
+        return await self.store.run_off_loop(
+            self.store.pending,
+            prefix,
+            with_payload=with_payload,
+            process_id=process_id,
+            limit=limit,
         )
 
     async def active(
         self, prefix: str, *, with_payload: bool = False, process_id: str | None = None
     ) -> list[ListResponse]:
-        return self.store.active(prefix, with_payload=with_payload, process_id=process_id)
+        return await self.store.run_off_loop(
+            self.store.active, prefix, with_payload=with_payload, process_id=process_id
+        )
 
     async def to_cancel(
         self, heartbeat_timeout_ms: int | None, orphaned_timeout_ms: int | None, prefix: str
     ) -> list[ToCancelResponse]:
-        return self.store.to_cancel(heartbeat_timeout_ms, orphaned_timeout_ms, prefix)
+        return await self.store.run_off_loop(
+            self.store.to_cancel, heartbeat_timeout_ms, orphaned_timeout_ms, prefix
+        )
 
     async def truncate(self) -> None:
-        self.store.truncate()
+        await self.store.run_off_loop(self.store.truncate)
 
     async def stats(self) -> dict[str, Any]:
-        return self.store.describe()
+        return await self.store.run_off_loop(
+            self.store.describe,
+        )
 
     async def hand_off(self, prefix: str, retrieved: RetrievedQuery) -> bool:
         return False  # no pool behind a store in this process
 
     async def watch_slots(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
-        watchers = self.store.slot_watchers
-        watchers.add(callback)
-        return lambda: watchers.discard(callback)
+        return self.store.watch_slots(callback)
 
     async def close(self) -> None:
         """The store belongs to whoever made it: it is not closed here."""

@@ -2,35 +2,24 @@
 
 `QueueStore` owns the rules of every command (validation, dedup, concurrency, visibility,
 orphaned/stalled, result consumption, wake-ups). A concrete store only provides
-persistence: `_atomic()` opens one atomic transaction and yields a `StoreTransaction` whose
-small hooks read and write items, counters and results. So the in-memory store, the
-SQLite store and any later one get identical semantics by construction, and one
-conformance suite checks them all.
-
-Semantics are Cube Store's (`cube-queue-spec.md` section 10) with these deliberate choices:
-
-* timestamps are integer milliseconds from an injected clock;
-* priority is -10000..10000, highest first, FIFO by queue id within a priority;
-* ADD_AND_RETRIEVE retrieves iff the item is newly added and
-  `active + pending (not counting itself) < concurrency`;
-* a re-ADD of a pending item that has its own orphan deadline extends the deadline to the
-  later of the two (Cube Store keeps the first, which reaps queries that callers still poll);
-* results live `result_ttl_ms` (5 minutes by default); RESULT by path consumes once, by id
-  or external id reads many and leaves the by-path result in place (Cube Store's rule);
-  RESULT_BLOCKING wakes every waiter of the item on ACK;
-* active items never expire silently: stalled ones leave only through TO_CANCEL / CANCEL.
-
-Every command is one atomic transaction; bad input raises `InvalidCommandError` before
-anything is written.
+persistence: `_atomic()` yields a `StoreTransaction` (records.py) whose small hooks read
+and write items, counters and results, so every store has the same semantics by
+construction and one conformance suite checks them all. Every command is one atomic
+transaction; bad input raises `InvalidCommandError` before anything is written. The
+semantics are Cube Store's (`cube-queue-spec.md` section 10) but for the deliberate
+choices the README lists under "Where we differ from Cube Store on purpose".
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from abc import abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
@@ -60,7 +49,7 @@ from queryqueue.engine.responses import (
     ResultStatus,
     RetrieveResponse,
 )
-from queryqueue.engine.waiters import AckEvent, ResultWaiters
+from queryqueue.engine.waiters import AckEvent, ResultWaiters, SlotWatchers
 
 T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
@@ -79,9 +68,7 @@ class QueueStore(ListingCommands):
         self.clock: Clock = clock or SystemClock()
         self.result_ttl_ms = result_ttl_ms
         self.waiters = ResultWaiters()
-        # Called once an ACK or CANCEL committed: a slot may be free. For processes that
-        # alone may retrieve some items (their streams): nobody reconciles for them.
-        self.slot_watchers: set[Callable[[], None]] = set()
+        self.slot_watchers = SlotWatchers()  # told once an ACK or CANCEL committed
 
     @abstractmethod
     def _atomic(self) -> AbstractContextManager[StoreTransaction]:
@@ -95,6 +82,24 @@ class QueueStore(ListingCommands):
         own (a failing one is undone alone). Effects such as waking RESULT_BLOCKING waiters
         happen once the batch has committed. Stores that commit in memory need no batching."""
         return nullcontext()
+
+    # Its commands may wait on the network (a database server): they run on a thread of
+    # its own, never on the event loop, so a slow database stalls no other client.
+    blocking = False
+    _thread: ThreadPoolExecutor | None = None
+
+    async def run_off_loop(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`call(*args, **kwargs)` at once, or on the store's thread if it is blocking."""
+        if not self.blocking:
+            return call(*args, **kwargs)
+        self._thread = self._thread or ThreadPoolExecutor(1, thread_name_prefix="queryqueue-store")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(call, *args, **kwargs))
+
+    def _stop_thread(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=True)
 
     def _run_command(self, run: Callable[[], T]) -> T:
         """Every command runs through here (the command table's decorator): a store that
@@ -305,11 +310,12 @@ class QueueStore(ListingCommands):
         self._after_commit(
             lambda: self.waiters.publish(AckEvent(item.id, item.path, result, item.external_id))
         )
-        self._after_commit(self._slot_freed)
+        self._after_commit(self.slot_watchers.publish)
 
-    def _slot_freed(self) -> None:
-        for watcher in list(self.slot_watchers):
-            watcher()
+    def watch_slots(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback`, on the running loop, after every ACK or CANCEL (for processes
+        that alone may retrieve some items, their streams); returns what stops it."""
+        return self.slot_watchers.add(callback)
 
     @queue_command(response=ResultResponse, resend="by_id")
     def result(
@@ -434,7 +440,7 @@ class QueueStore(ListingCommands):
                 return None
             if result is None:
                 tx.delete(item)
-                self._after_commit(self._slot_freed)
+                self._after_commit(self.slot_watchers.publish)
             else:
                 self._complete(tx, item, result)
         return QueryDefResponse(payload=item.payload, extra=item.extra)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from queryqueue.engine.responses import QueueId, QueueKey
@@ -73,3 +74,27 @@ class ResultWaiters:
 def _resolve(future: asyncio.Future[AckEvent], event: AckEvent) -> None:
     if not future.done():
         future.set_result(event)
+
+
+class SlotWatchers:
+    """Callbacks told that a slot may have freed (an ACK or CANCEL committed), each on the
+    loop that registered it: a blocking store commits on a thread of its own."""
+
+    def __init__(self) -> None:
+        self._watchers: set[tuple[Callable[[], None], asyncio.AbstractEventLoop]] = set()
+
+    def add(self, callback: Callable[[], None]) -> Callable[[], None]:
+        entry = (callback, asyncio.get_running_loop())
+        self._watchers.add(entry)
+        return lambda: self._watchers.discard(entry)
+
+    def publish(self) -> None:
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # a blocking store's own thread
+            running = None
+        for callback, loop in list(self._watchers):
+            if loop is running:
+                callback()
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(callback)

@@ -423,7 +423,12 @@ class WorkerPool:
                         f"{exitcode}): not run again"
                     )
                 )
-        removed = self.store.cancel(job.queue_id, result=outcome)
+        task = asyncio.ensure_future(self._take_back(job, outcome))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _take_back(self, job: _Job, outcome: str | None) -> None:
+        removed = await self.store.run_off_loop(self.store.cancel, job.queue_id, result=outcome)
         if removed is None:
             return
         _log.warning("worker died: reclaimed queue item %s (%s)", job.queue_id, job.path)
@@ -431,23 +436,21 @@ class WorkerPool:
         if removed.extra:
             with contextlib.suppress(ValueError):
                 definition.update(orjson.loads(removed.extra))
-        task = asyncio.ensure_future(_call_cancel_handler(self.app_ref, definition))
-        self._cancelling.add(task)
-        task.add_done_callback(self._cancelling.discard)
+        await _call_cancel_handler(self.app_ref, definition)
 
     async def _heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            self.beat()
+            await self.beat()
             self.poke()  # also reaps orphaned and stalled items when nothing else happens
 
-    def beat(self) -> None:
+    async def beat(self) -> None:
         """One heartbeat round (a steppable loop): keep held and waiting items alive, stop
         workers that still run an item someone removed (cancelled, timed out, reaped), and
         enforce the execution timeout on workers that cannot enforce it themselves."""
         loop_time = asyncio.get_running_loop().time()
         for worker in list(self._workers):
-            if self._overdue(worker, loop_time):
+            if await self._overdue(worker, loop_time):
                 continue
             if (
                 worker.draining_since is not None
@@ -463,7 +466,7 @@ class WorkerPool:
             job = worker.job
             if job is None or not worker.process.is_alive():
                 continue
-            if self._heartbeat(job.queue_id):
+            if await self._heartbeat(job.queue_id):
                 continue
             # Removed from the queue: the worker is told (its cancel handler runs there);
             # if the query has not stopped within the grace period, the process goes.
@@ -479,10 +482,10 @@ class WorkerPool:
                 job.abandoned = True
                 self.terminated += 1
                 worker.process.kill()  # its exit handler replaces it
-        for job in self._backlog:
-            self._heartbeat(job.queue_id)
+        for job in list(self._backlog):
+            await self._heartbeat(job.queue_id)
 
-    def _overdue(self, worker: _Worker, loop_time: float) -> bool:
+    async def _overdue(self, worker: _Worker, loop_time: float) -> bool:
         """A query past its execution timeout and the cancel grace: the worker did not stop
         it (stopped, stuck holding the GIL): fail it for every waiter with the timeout
         error, and terminate the worker (it is replaced)."""
@@ -498,7 +501,8 @@ class WorkerPool:
             job.path,
             self.execution_timeout,
         )
-        self.store.cancel(
+        await self.store.run_off_loop(
+            self.store.cancel,
             job.queue_id,
             result=encode_error(
                 QueryTimeoutError(
@@ -511,9 +515,9 @@ class WorkerPool:
         worker.process.kill()  # SIGKILL ends a stopped process too; its exit replaces it
         return True
 
-    def _heartbeat(self, queue_id: QueueId) -> bool:
+    async def _heartbeat(self, queue_id: QueueId) -> bool:
         try:
-            return self.store.heartbeat(queue_id)
+            return await self.store.run_off_loop(self.store.heartbeat, queue_id)
         except Exception:  # a failing heartbeat must not stop the others
             _log.exception("heartbeat of queue item %s failed", queue_id)
             return True

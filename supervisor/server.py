@@ -16,7 +16,7 @@ import inspect
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,6 +203,7 @@ class _Request:
     kwargs: dict[str, Any]
     rows: Callable[[Any], list[sqltext.Row]] | None  # set for SQL text: answer as rows
     received: float
+    refused: QueueError | None = None  # refused before it reached the store
 
 
 class QueueServer:
@@ -249,7 +250,7 @@ class QueueServer:
         self._sweeper: asyncio.Task[None] | None = None
         self._socket_lock: guard.Lock | None = None
         self._nudge_scheduled = False
-        store.slot_watchers.add(self._nudge_soon)
+        self._stop_watching: Callable[[], None] | None = None
         self._socket_identity: tuple[int, int] | None = None
 
     async def start(self) -> None:
@@ -263,6 +264,7 @@ class QueueServer:
         except BaseException:
             self._socket_lock.release()
             raise
+        self._stop_watching = self.store.watch_slots(self._nudge_soon)
         # Coming back after a crash: executors that lived through the outage could not
         # heartbeat, so give them a full timeout to reconnect before anything is reaped.
         self.store.refresh_active_heartbeats()
@@ -325,6 +327,8 @@ class QueueServer:
             with contextlib.suppress(StoreError):
                 checkpoint()
         self.segments.close()
+        if self._stop_watching is not None:
+            self._stop_watching()
         guard.unlink_if_ours(self.socket_path, self._socket_identity)
         if self._socket_lock is not None:
             self._socket_lock.release()
@@ -494,7 +498,7 @@ class QueueServer:
                 connection.send({"id": request_id, "ok": "pong"})
                 return None
             if method == "stats":
-                connection.send({"id": request_id, "ok": self.describe()})
+                self._soon(self._describe_to(connection, request_id))
                 return None
             if method == "shm_alloc":
                 slot = self.segments.alloc(args[0] if len(args) == 1 else None, connection)
@@ -507,8 +511,7 @@ class QueueServer:
                 connection.send({"id": request_id, "ok": True})
                 return None
             if method == "dispatch":
-                self._dispatch(args)
-                connection.send({"id": request_id, "ok": True})
+                self._soon(self._dispatch_to(connection, request_id, args))
                 return None
             if method == "watch":
                 if len(args) != 1:
@@ -528,7 +531,25 @@ class QueueServer:
             raise InvalidCommandError(f"{method}: wrong arguments ({problem})")
         return _Request(connection, request_id, method, args, kwargs, rows, received)
 
-    def _dispatch(self, args: list[Any]) -> None:
+    def _soon(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _describe_to(self, connection: _Connection, request_id: Any) -> None:
+        try:
+            connection.send({"id": request_id, "ok": await self.describe()})
+        except QueueError as exc:
+            connection.send({"id": request_id, "error": error_payload(exc)})
+
+    async def _dispatch_to(self, connection: _Connection, request_id: Any, args: list[Any]) -> None:
+        try:
+            await self._dispatch(args)
+            connection.send({"id": request_id, "ok": True})
+        except QueueError as exc:
+            connection.send({"id": request_id, "error": error_payload(exc)})
+
+    async def _dispatch(self, args: list[Any]) -> None:
         """A client's fast track retrieved an item: run it in the pool. Only the item's
         name is taken; what runs is the query as this store holds it, and only if it is
         active and not already handed off."""
@@ -547,9 +568,10 @@ class QueueServer:
         check_key(path)
         check_key(queue_id)
         prefix, _, query_key_hash = path.rpartition(":")
-        if not any(row.queue_id == queue_id for row in self.store.active(prefix)):
+        active = await self.store.run_off_loop(self.store.active, prefix)
+        if not any(row.queue_id == queue_id for row in active):
             raise InvalidCommandError(f"dispatch: {path} ({queue_id}) is not an active item")
-        query = decode_def(self.store.get(queue_id))
+        query = decode_def(await self.store.run_off_loop(self.store.get, queue_id))
         if query is None:
             raise InvalidCommandError(f"dispatch: {path} ({queue_id}) is not an active item")
         try:
@@ -557,12 +579,12 @@ class QueueServer:
         except RuntimeError as exc:
             raise InvalidCommandError(f"dispatch: {exc}") from None
 
-    def describe(self) -> dict[str, Any]:
+    async def describe(self) -> dict[str, Any]:
         pool = {"pool": self.pool.describe()} if self.pool is not None else {}
         return {
             **pool,
             **self.stats.snapshot(),
-            **self.store.describe(),
+            **(await self.store.run_off_loop(self.store.describe)),
             "shared_memory": self.segments.describe(),
             "connections": len(self._connections),
             "pid": os.getpid(),
@@ -572,17 +594,33 @@ class QueueServer:
 
     async def _execute_forever(self) -> None:
         while True:
-            first = await self._inbox.get()
-            self._run_batch(first)
+            batch = self._take_batch(await self._inbox.get())
+            # A blocking store (PostgreSQL) runs the batch on its own thread; the loop
+            # goes on serving connections, pings and parked long polls meanwhile.
+            self._answer_batch(batch, await self.store.run_off_loop(self._execute, batch))
             # Let connections read what arrived meanwhile: the next batch groups it.
             await asyncio.sleep(0)
 
-    def _run_batch(self, first: _Request | None = None) -> None:
+    def _run_batch(self) -> None:
+        """Run what has arrived, here and now (at shutdown)."""
+        batch = self._take_batch(None)
+        if batch:
+            self._answer_batch(batch, self._execute(batch))
+
+    def _take_batch(self, first: _Request | None) -> list[_Request]:
         batch: list[_Request] = [] if first is None else [first]
         while len(batch) < self.max_batch and not self._inbox.empty():
             batch.append(self._inbox.get_nowait())
-        if not batch:
-            return
+        for request in batch:  # checked here, on the loop: the segments live on it
+            if request.method == "ack" and len(request.args) == 2:
+                try:
+                    self.segments.check_ack(request.args[1])
+                except QueueError as exc:
+                    request.refused = exc
+        return batch
+
+    def _execute(self, batch: list[_Request]) -> list[tuple[bool, Any]]:
+        """The store's part of a batch: one transaction, a savepoint per command."""
         answers: list[tuple[bool, Any]] = []
         try:
             with self.store.batch():
@@ -591,6 +629,9 @@ class QueueServer:
         except StoreError as exc:
             # The commit failed: nothing of this batch happened.
             answers = [(False, exc)] * len(batch)
+        return answers
+
+    def _answer_batch(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> None:
         self.stats.batches += 1
         self.stats.batched_commands += len(batch)
         now = time.monotonic()
@@ -600,9 +641,9 @@ class QueueServer:
             self._answer(request, ok, answer)
 
     def _run(self, request: _Request) -> tuple[bool, Any]:
+        if request.refused is not None:
+            return False, request.refused
         try:
-            if request.method == "ack" and len(request.args) == 2:
-                self.segments.check_ack(request.args[1])
             return True, getattr(self.store, request.method)(*request.args, **request.kwargs)
         except QueueError as exc:
             return False, exc
