@@ -83,6 +83,20 @@ def _parser() -> argparse.ArgumentParser:
     sup.add_argument(
         "--schema", default="queryqueue", help="PostgreSQL schema of the queue (with --store)"
     )
+    sup.add_argument(
+        "--pg-statement-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="PostgreSQL: a statement running longer fails with a StoreError naming it",
+    )
+    sup.add_argument(
+        "--pg-lock-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="PostgreSQL: a lock (another client's, another host's) waited for longer fails",
+    )
     _socket_option(sup)
     sup.add_argument(
         "--synchronous",
@@ -275,6 +289,10 @@ def _supervisor(
         synchronous=args.synchronous,
         tcp_port=args.tcp_port,
         auth_token_file=args.auth_token_file,
+        postgres_timeouts={
+            "statement_timeout": args.pg_statement_timeout,
+            "lock_timeout": args.pg_lock_timeout,
+        },
         limits=Limits(
             high_water=args.connection_high_water * MiB,
             hard_limit=args.connection_hard_limit * MiB,

@@ -14,12 +14,24 @@ from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import Limits, QueueServer
 
 
-def open_store(db: str | Path, *, synchronous: Synchronous, schema: str) -> QueueStore:
+def open_store(
+    db: str | Path,
+    *,
+    synchronous: Synchronous,
+    schema: str,
+    postgres_timeouts: dict[str, float] | None = None,
+) -> QueueStore:
     """A SQLite file, or a postgresql:// URL (a queue several hosts share)."""
     if _is_url(db):
         from queryqueue.driver_postgres.store import PostgresQueueStore
 
-        return PostgresQueueStore(db, schema=schema)
+        timeouts = postgres_timeouts or {}
+        return PostgresQueueStore(
+            db,
+            schema=schema,
+            statement_timeout=timeouts.get("statement_timeout", 30.0),
+            lock_timeout=timeouts.get("lock_timeout", 10.0),
+        )
     return SqliteQueueStore(db, synchronous=synchronous)
 
 
@@ -31,6 +43,7 @@ async def serve(
     schema: str = "queryqueue",
     tcp_port: int | None = None,
     auth_token_file: str | Path | None = None,
+    postgres_timeouts: dict[str, float] | None = None,
     limits: Limits | None = None,
     shm_caps: tuple[int, int] | None = None,
     app: str | None = None,
@@ -55,7 +68,9 @@ async def serve(
     db_lock = None if _is_url(db) else guard.Lock(guard.lock_path(Path(db)), f"database {db}")
     try:
         await _serve_store(
-            open_store(db, synchronous=synchronous, schema=schema),
+            open_store(
+                db, synchronous=synchronous, schema=schema, postgres_timeouts=postgres_timeouts
+            ),
             socket_path,
             tcp_port=tcp_port,
             token=token,

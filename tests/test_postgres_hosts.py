@@ -292,3 +292,38 @@ def test_a_connection_that_keeps_breaking_is_a_store_error_after_bounded_retries
     finally:
         monkeypatch.undo()
         store.close()
+
+
+async def test_a_lock_held_elsewhere_fails_after_the_lock_timeout_while_ping_answers(
+    workdir: Path, schema: str
+) -> None:
+    import psycopg
+
+    host = _host(workdir, "a", schema, "--pg-lock-timeout", "5")
+    driver = SocketQueueDriver(host.socket_path)
+    try:
+        with psycopg.connect(URL, autocommit=True) as other:
+            # Another client holds the prefix's lock (the store takes it per command).
+            other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", ("qq:p",))
+            add = asyncio.ensure_future(driver.add("p:k", "{}"))
+            await wait_until(lambda: _waiting_on_a_lock(other, schema), within=10)
+            # The supervisor's loop is not waiting with it: ping answers meanwhile.
+            assert await driver.ping() == "pong"
+            assert not add.done()
+            with pytest.raises(StoreError, match="lock timeout"):
+                await add
+            other.execute("SELECT pg_advisory_unlock_all()")
+        added = await driver.add("p:k", "{}")  # the store is fine afterwards
+        assert added.added
+    finally:
+        await driver.close()
+        assert host.stop() == 0
+
+
+def _waiting_on_a_lock(admin: Any, schema: str) -> bool:
+    row = admin.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+        " AND wait_event_type = 'Lock'",
+        (f"queryqueue:{schema}",),
+    ).fetchone()
+    return bool(row and row[0] > 0)
