@@ -253,16 +253,10 @@ class QueueConnection:
             self._key(query_key_hash, queue_id), orjson.dumps(patch).decode()
         )
 
-    async def set_result_and_remove_query(
-        self, query_key_hash: str, result: Any, queue_id: QueueId | None
-    ) -> bool:
-        return await self.set_encoded_result_and_remove_query(
-            query_key_hash, orjson.dumps(result).decode(), queue_id
-        )
-
     async def set_encoded_result_and_remove_query(
         self, query_key_hash: str, result: str, queue_id: QueueId | None
     ) -> bool:
-        """The same, with the result already JSON text."""
+        """The design doc's setResultAndRemoveQuery, with the result already JSON text
+        (encoded once, where it was made)."""
         ack = await self.driver.ack(self._key(query_key_hash, queue_id), result)
         return ack.success
