@@ -51,7 +51,7 @@ from queryqueue.engine.records import (
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
-from queryqueue.engine.waiters import AckEvent
+from queryqueue.engine.waiters import AckEvent, Waiter
 
 # An ACK from another host: the waiter reads the result itself (NOTIFY carries no payload).
 _FETCH = "\x00fetch"
@@ -346,6 +346,7 @@ class PostgresQueueStore(QueueStore):
         clock: Clock | None = None,
         result_ttl_ms: int = DEFAULT_RESULT_TTL_MS,
         recheck_ms: int = 1_000,
+        safety_recheck_ms: int = 30_000,
         connect_timeout: float = 10.0,
         statement_timeout: float = 30.0,
         lock_timeout: float = 10.0,
@@ -362,6 +363,12 @@ class PostgresQueueStore(QueueStore):
         self.url = url
         self.schema = schema
         self.recheck_ms = recheck_ms
+        self.safety_recheck_ms = safety_recheck_ms
+        # LISTEN's state: while it is up no ACK is missed, so parked long polls read the
+        # table again only every `safety_recheck_ms`; each reconnect is a new epoch, after
+        # which they read it at once (a NOTIFY may have come while it was down).
+        self._listen_healthy = False
+        self._listen_epoch = 0
         self.connect_timeout = connect_timeout
         self.channel = f"queryqueue_ack_{schema}"
         self.reconnects = 0
@@ -408,12 +415,27 @@ class PostgresQueueStore(QueueStore):
         if self._closed:
             raise StoreError("the queue store is closed")
         if self._conn is None or self._conn.closed or self._conn.broken:
+            reconnecting = self._conn is not None
             if self._conn is not None:
                 with contextlib.suppress(psycopg.Error):
                     self._conn.close()
                 self.reconnects += 1
             self._conn = self._connect()
+            if reconnecting:
+                self._after_outage(self._conn)
         return self._conn
+
+    def _after_outage(self, conn: psycopg.Connection[Any]) -> None:
+        """Back after a broken connection: as at a supervisor's start, active items get a
+        fresh heartbeat, since nobody could beat them meanwhile; a live one is not reaped
+        for the outage, a dead one still is a heartbeat timeout later."""
+        try:
+            with conn.transaction():
+                PostgresTransaction(conn, self.channel).refresh_active_heartbeats(
+                    self.clock.now_ms()
+                )
+        except psycopg.Error:
+            pass  # the command that reconnected reports what is wrong
 
     @contextmanager
     def _atomic(self) -> Iterator[PostgresTransaction]:
@@ -486,6 +508,8 @@ class PostgresQueueStore(QueueStore):
                 continue
             try:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                self._listen_epoch += 1
+                self._listen_healthy = True
                 self._listening.set()
                 delay = 0.05
                 while not self._closed:
@@ -494,6 +518,7 @@ class PostgresQueueStore(QueueStore):
             except psycopg.Error:
                 pass  # reconnect; what was missed meanwhile, re-checks find
             finally:
+                self._listen_healthy = False
                 with contextlib.suppress(psycopg.Error):
                     conn.close()
 
@@ -510,8 +535,8 @@ class PostgresQueueStore(QueueStore):
     # -- RESULT_BLOCKING across hosts -------------------------------------------------------
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
-        """As in every store, but the ACK may come from any host: woken by its NOTIFY, and
-        re-checked every `recheck_ms` should a notification be missed."""
+        """As in every store, but the ACK may come from any host: woken by its NOTIFY; the
+        table is read again only when a notification may have been missed."""
         v.check_key(key)
         v.check_non_negative_ms("timeout", timeout_ms)
         loop = asyncio.get_running_loop()
@@ -524,19 +549,36 @@ class PostgresQueueStore(QueueStore):
                 )
                 if found is not None:
                     return found
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return None
-                try:
-                    event = await wait_within(waiter.future, min(remaining, self.recheck_ms / 1000))
-                except TimeoutError:
-                    continue  # the bounded re-check
+                event = await self._await_ack(waiter, deadline)
+                if event is None:
+                    if loop.time() >= deadline:
+                        return None
+                    continue  # a notification may have been missed: read the table again
             finally:
                 self.waiters.unsubscribe(waiter)
             taken: ResultResponse | None = await self.run_off_loop(
                 self._again_if_disconnected, functools.partial(self._take, key, event)
             )
             return taken
+
+    async def _await_ack(self, waiter: Waiter, deadline: float) -> AckEvent | None:
+        """The ACK's event; None at the deadline, or when a re-check is due: the listener
+        is down or came back (a new epoch), or `safety_recheck_ms` passed."""
+        loop = asyncio.get_running_loop()
+        epoch, since = self._listen_epoch, loop.time()
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            try:
+                return await wait_within(waiter.future, min(remaining, self.recheck_ms / 1000))
+            except TimeoutError:
+                if (
+                    not self._listen_healthy
+                    or self._listen_epoch != epoch
+                    or loop.time() - since >= self.safety_recheck_ms / 1000
+                ):
+                    return None
 
     def _lookup(self, key: QueueKey) -> ResultResponse | None:
         with self._atomic() as tx:

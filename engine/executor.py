@@ -19,10 +19,13 @@ from queryqueue.engine import events as ev
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.connection import QueryDef
 from queryqueue.engine.errors import (
+    CommandTimeoutError,
     QueryCancelledError,
     QueryError,
     QueryTimeoutError,
     ResultTooLargeError,
+    StoreError,
+    SupervisorUnavailableError,
 )
 from queryqueue.engine.handlers import QueryHandler, SetCancelHandler
 from queryqueue.engine.hashing import js_number
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
 
 STREAM_HANDLER = "stream"
 HEARTBEAT_LOG_INTERVAL_MS = 5 * 60 * 1000
+ACK_RETRY_FIRST = 0.05
+ACK_RETRY_MAX = 2.0
 
 
 @dataclass(eq=False)
@@ -53,6 +58,8 @@ class _Execution:
 class Executor:
     """Runs the queries a `QueryQueue` hands to this process, to their ACK."""
 
+    ack_retry_timeout = 30.0  # seconds an ACK is retried through an outage
+
     def __init__(self, queue: QueryQueue) -> None:
         self.queue = queue
         self.executions: dict[QueueId, _Execution] = {}
@@ -60,8 +67,11 @@ class Executor:
         self._threads_done = threading.Condition(self._threads_lock)
         self._handler_threads = 0
 
-    async def execute_query(self, retrieved: RetrievedQuery) -> None:
-        """Run a retrieved item to its ACK, then reconcile. Errors are logged, never raised."""
+    async def execute_query(self, retrieved: RetrievedQuery) -> bool:
+        """Run a retrieved item to its ACK, then reconcile. Errors are logged, never raised;
+        False when the outcome could not be reported (the store unreachable through every
+        retry): whoever handed it here should give the item back."""
+        reported = True
         query = retrieved.query
         query_key_hash, queue_id = retrieved.query_key_hash, retrieved.queue_id
         context = self._execution_context(retrieved)
@@ -113,22 +123,34 @@ class Executor:
                 await self.queue.reconcile_queue()
         except Exception as exc:
             self.queue.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
+            reported = False
         finally:
             self.executions.pop(queue_id, None)
+        return reported
 
     async def _acknowledge(
         self, query_key_hash: str, queue_id: QueueId, result: str, context: dict[str, Any]
     ) -> bool:
         """ACK with the result; one that no transport can carry fails the query instead,
-        so its waiters hear why rather than wait for a reap."""
+        so its waiters hear why rather than wait for a reap. Through an outage (a store
+        restarting) the ACK, idempotent by queue id, is retried with backoff for up to
+        `ack_retry_timeout` seconds on the queue's clock."""
         conn = self.queue.connection
-        try:
-            return await conn.set_encoded_result_and_remove_query(query_key_hash, result, queue_id)
-        except ResultTooLargeError as exc:
-            self.queue.events.emit(ev.ERROR_WHILE_QUERYING, {**context, "error": repr(exc)})
-            return await conn.set_encoded_result_and_remove_query(
-                query_key_hash, encode_error(exc), queue_id
-            )
+        delay, waited = ACK_RETRY_FIRST, 0.0
+        while True:
+            try:
+                return await conn.set_encoded_result_and_remove_query(
+                    query_key_hash, result, queue_id
+                )
+            except ResultTooLargeError as exc:
+                self.queue.events.emit(ev.ERROR_WHILE_QUERYING, {**context, "error": repr(exc)})
+                result = encode_error(exc)
+            except (StoreError, SupervisorUnavailableError, CommandTimeoutError) as exc:
+                if waited >= self.ack_retry_timeout:
+                    raise
+                self.queue.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
+                await self.queue.clock.sleep(delay)
+                waited, delay = waited + delay, min(delay * 2, ACK_RETRY_MAX)
 
     async def _run_handler(self, execution: _Execution) -> str:
         """Run the handler; its result as the JSON text to ACK with."""

@@ -1,6 +1,6 @@
 """The read-only QUEUE commands every store shares: LIST, PENDING, ACTIVE, TO_CANCEL
-(STALLED, ORPHANED) and the overview behind `queryqueue status`. A base of `QueueStore`,
-whose `_atomic` they read through, in one transaction each."""
+(STALLED, ORPHANED), the overview behind `queryqueue status`, and the purge of expired
+results. A base of `QueueStore`, whose `_atomic` they go through, one transaction each."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from queryqueue.engine.responses import ItemStatus, ListResponse, ToCancelRespon
 from queryqueue.engine.waiters import ResultWaiters
 
 T = TypeVar("T")
+# ACK deletes at most this many expired results, so cleanup never makes one command slow.
+PURGE_BATCH = 64
 
 
 class ListingCommands(ABC):
@@ -117,6 +119,13 @@ class ListingCommands(ABC):
     def orphaned(self, orphaned_timeout_ms: int, prefix: str) -> list[ToCancelResponse]:
         v.check_non_negative_ms("orphaned timeout", orphaned_timeout_ms)
         return self.to_cancel(None, orphaned_timeout_ms, prefix)
+
+    @queue_command(served=False)
+    def purge_expired(self) -> int:
+        """Delete up to PURGE_BATCH expired results (ACK does as much; a supervisor's timer
+        calls this too, so an idle queue purges). Returns how many went."""
+        with self._atomic() as tx:
+            return tx.purge_expired_results(self.clock.now_ms(), PURGE_BATCH)
 
     @queue_command(served=False)
     def describe(self) -> dict[str, Any]:

@@ -308,9 +308,9 @@ class QueryQueue:
                 },
             )
 
-    async def execute_query(self, retrieved: RetrievedQuery) -> None:
-        """Run a retrieved item to its ACK, then reconcile. Errors are logged, never raised."""
-        await self.executor.execute_query(retrieved)
+    async def execute_query(self, retrieved: RetrievedQuery) -> bool:
+        """Run a retrieved item to its ACK, then reconcile (`Executor.execute_query`)."""
+        return await self.executor.execute_query(retrieved)
 
     async def process_cancel(self, query_def: QueryDef, queue_id: QueueId | None) -> None:
         """Call the cancel handler of the query's handler, and stop the query if it runs in

@@ -30,7 +30,7 @@ from queryqueue.engine.errors import (
     ExternalIdConflictError,
     InvalidCommandError,
 )
-from queryqueue.engine.listing import ListingCommands
+from queryqueue.engine.listing import PURGE_BATCH, ListingCommands
 from queryqueue.engine.records import (
     Item,
     StoredResult,
@@ -53,8 +53,6 @@ from queryqueue.engine.waiters import AckEvent, ResultWaiters, SlotWatchers
 
 T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
-# ACK deletes at most this many expired results, so cleanup never makes one command slow.
-PURGE_BATCH = 64
 
 
 class QueueStore(ListingCommands):

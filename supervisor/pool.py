@@ -32,7 +32,7 @@ import orjson
 import psutil
 
 from queryqueue.engine.driver import LocalQueueDriver
-from queryqueue.engine.errors import QueryTimeoutError, WorkerLostError
+from queryqueue.engine.errors import QueryTimeoutError, QueueError, WorkerLostError
 from queryqueue.engine.outcome import encode_error, encode_retry
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.responses import QueueId, QueueKey
@@ -347,6 +347,11 @@ class WorkerPool:
             worker.job = None
             worker.draining_since = asyncio.get_running_loop().time()
             return
+        if message == b"lost" and worker.job is not None:
+            task = asyncio.ensure_future(self._give_back(worker.job))
+            self._cancelling.add(task)
+            task.add_done_callback(self._cancelling.discard)
+            message = b"done"
         if message == b"done":
             if worker.job is not None:
                 self._deaths.pop(worker.job.path, None)  # it ran to its end
@@ -426,6 +431,19 @@ class WorkerPool:
         task = asyncio.ensure_future(self._take_back(job, outcome))
         self._cancelling.add(task)
         task.add_done_callback(self._cancelling.discard)
+
+    async def _give_back(self, job: _Job) -> None:
+        """Its worker ran it but could not store the outcome (the store was away through
+        every retry): reclaim it now, not a stall timeout later, so its waiters ask again.
+        Tried until the store answers (at most two minutes)."""
+        outcome = encode_retry("the worker could not store the query's outcome; it runs again")
+        for _ in range(120):
+            try:
+                await self.store.run_off_loop(self.store.cancel, job.queue_id, result=outcome)
+                return
+            except QueueError as exc:
+                _log.warning("giving back queue item %s failed: %s", job.queue_id, exc)
+                await asyncio.sleep(1.0)
 
     async def _take_back(self, job: _Job, outcome: str | None) -> None:
         removed = await self.store.run_off_loop(self.store.cancel, job.queue_id, result=outcome)
@@ -611,7 +629,7 @@ async def _worker_loop(
             blob = await arrived.get()
             if not blob:
                 break
-            await queue.execute_query(decode_retrieved(blob[1:]))
+            reported = await queue.execute_query(decode_retrieved(blob[1:]))
             with contextlib.suppress(OSError, ValueError):
                 if queue.handler_threads:
                     # A cancelled or timed-out sync handler is still running: take no more
@@ -619,7 +637,8 @@ async def _worker_loop(
                     # the grace.
                     conn.send_bytes(b"draining")
                     await asyncio.to_thread(queue.wait_for_handler_threads)
-                conn.send_bytes(b"done")
+                # "lost": its outcome could not be stored; the supervisor gives it back.
+                conn.send_bytes(b"done" if reported else b"lost")
     finally:
         with contextlib.suppress(ValueError, OSError):
             loop.remove_reader(conn.fileno())

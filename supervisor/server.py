@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import inspect
+import logging
 import os
 import time
 from collections import deque
@@ -44,6 +45,8 @@ from queryqueue.supervisor.protocol import (
     read_frame,
 )
 from queryqueue.supervisor.shm import SegmentPool, name_prefix, parse_reference
+
+_log = logging.getLogger("queryqueue.server")
 
 # The QUEUE commands a client may call, as the store declares them.
 COMMANDS = served()
@@ -220,6 +223,7 @@ class QueueServer:
         segments: SegmentPool | None = None,
         tcp_token: str | None = None,
         limits: Limits | None = None,
+        purge_interval: float = 10.0,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
@@ -229,6 +233,7 @@ class QueueServer:
             raise ValueError("the TCP listener needs an auth token (--auth-token-file)")
         self.tcp_token = tcp_token
         self.limits = limits or Limits()
+        self.purge_interval = purge_interval
         self.store = store
         self.socket_path = Path(socket_path)
         self.tcp_host = tcp_host
@@ -287,9 +292,17 @@ class QueueServer:
             )
 
     async def _sweep_forever(self) -> None:
+        purged_at = time.monotonic()
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(min(0.5, self.purge_interval))
             self.segments.sweep()
+            if time.monotonic() - purged_at >= self.purge_interval:
+                purged_at = time.monotonic()
+                # ACKs purge as they go; this keeps an idle queue from holding its dead.
+                try:
+                    await self.store.run_off_loop(self.store.purge_expired)
+                except QueueError as exc:
+                    _log.warning("purging expired results failed: %s", exc)
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:

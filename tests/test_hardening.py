@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from queryqueue import AuthenticationError, MemoryQueueStore, SocketQueueDriver
+from queryqueue import AuthenticationError, MemoryQueueStore, SocketQueueDriver, SqliteQueueStore
 from queryqueue.supervisor.protocol import read_frame
 from queryqueue.supervisor.server import Limits, QueueServer
 from tests.supervisor_util import REPO, start_supervisor
@@ -281,3 +281,25 @@ async def test_parked_long_polls_are_capped_per_connection(workdir: Path) -> Non
         writer.close()
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_an_idle_queue_purges_its_expired_results_on_a_timer(
+    workdir: Path, tmp_path: Path, kind: str
+) -> None:
+    store = (
+        MemoryQueueStore(result_ttl_ms=50)
+        if kind == "memory"
+        else SqliteQueueStore(tmp_path / "q.db", result_ttl_ms=50)
+    )
+    server = QueueServer(store, workdir / "s.sock", purge_interval=0.05)
+    await server.start()
+    try:
+        added = store.add("p:k", "{}")
+        store.ack(added.id, '{"result": 1}')
+        assert store.describe()["results_held"] == 1
+        # No ACK comes to purge it: the server's timer does.
+        await wait_until(lambda: store.describe()["results_held"] == 0, what="purged")
+    finally:
+        await server.stop()
+        store.close()

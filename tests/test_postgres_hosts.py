@@ -327,3 +327,65 @@ def _waiting_on_a_lock(admin: Any, schema: str) -> bool:
         (f"queryqueue:{schema}",),
     ).fetchone()
     return bool(row and row[0] > 0)
+
+
+async def test_parked_long_polls_rely_on_listen_while_it_is_healthy(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from queryqueue.driver_postgres.store import PostgresQueueStore
+
+    store = PostgresQueueStore(URL, schema=schema)
+    lookups = 0
+    lookup = store._lookup
+
+    def counted(key: Any) -> Any:
+        nonlocal lookups
+        lookups += 1
+        return lookup(key)
+
+    monkeypatch.setattr(store, "_lookup", counted)
+    try:
+        ids = [store.add(f"p:k{i}", "{}").id for i in range(20)]
+        # Twenty idle waiters for 2.5 s: each reads the table once; LISTEN covers the rest
+        # (the store used to read it again every second: 60 transactions here).
+        assert await asyncio.gather(*(store.result_blocking(i, 2500) for i in ids)) == [None] * 20
+        assert lookups == 20
+        waiter = asyncio.ensure_future(store.result_blocking(ids[0], 10_000))
+        await wait_until(lambda: lookups == 21)
+        other = PostgresQueueStore(URL, schema=schema)  # another host's ACK, by NOTIFY
+        try:
+            assert other.ack(ids[0], '{"result": 1}').success
+        finally:
+            other.close()
+        found = await asyncio.wait_for(waiter, 10)
+        assert found is not None and found.payload == '{"result": 1}'
+    finally:
+        monkeypatch.undo()
+        store.close()
+
+
+def test_after_a_reconnect_active_items_are_not_reaped_for_the_outage(schema: str) -> None:
+    import psycopg
+
+    from queryqueue.driver_postgres.store import PostgresQueueStore
+    from queryqueue.engine.clock import ManualClock
+
+    clock = ManualClock()
+    store = PostgresQueueStore(URL, schema=schema, clock=clock)
+    try:
+        running = store.add("p:running", "{}").id
+        store.retrieve(running, concurrency=5)
+        clock.advance(100_000)  # an outage longer than any heartbeat timeout...
+        with psycopg.connect(URL, autocommit=True) as admin:  # ...that broke the connection
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = %s AND query NOT ILIKE 'LISTEN%%'",
+                (f"queryqueue:{schema}",),
+            )
+        # The first command after it reconnects; the running item was not reaped for it.
+        assert store.stalled(50_000, "p") == []
+        assert store.reconnects >= 1
+        clock.advance(60_000)  # a real heartbeat timeout later, nobody beat it: stalled
+        assert [row.queue_id for row in store.stalled(50_000, "p")] == [running]
+    finally:
+        store.close()

@@ -28,6 +28,7 @@ from queryqueue import (
     RetrievedQuery,
     SocketQueueDriver,
     SqliteQueueStore,
+    StoreError,
     SyncQueryQueue,
 )
 from queryqueue.engine import events as ev
@@ -928,3 +929,53 @@ async def test_the_heartbeat_is_stepped_by_the_injected_clock(rec: Recorder) -> 
         caller.cancel()
         await asyncio.gather(caller, return_exceptions=True)
         await queue.close(grace=0)
+
+
+class _FlakyAcks(LocalQueueDriver):
+    """A store that is away for the first `failures` ACKs (a database restarting)."""
+
+    def __init__(self, store: QueueStore, failures: int) -> None:
+        super().__init__(store)
+        self.failures = failures
+
+    async def ack(self, key: Any, result: str | None) -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise StoreError("the queue database went away")
+        return await super().ack(key, result)
+
+
+async def test_an_ack_is_retried_through_an_outage_and_its_waiters_answered(
+    rec: Recorder,
+) -> None:
+    driver = _FlakyAcks(MemoryQueueStore(), failures=3)
+    queue = QueryQueue("flaky", query_handlers={"sql": rec.instant}, driver=driver)
+    try:
+        assert await queue.run("sql", "k", "k", timeout=30) == {"echo": "k"}
+        assert rec.calls == ["k"] and driver.failures == 0
+    finally:
+        await queue.close(grace=0)
+
+
+async def test_an_execution_whose_ack_never_lands_says_so(rec: Recorder) -> None:
+    clock = ManualClock()
+    store = MemoryQueueStore(clock=clock)
+    driver = _FlakyAcks(store, failures=10**6)
+    queue = QueryQueue(
+        "flaky", query_handlers={"sql": rec.instant}, driver=driver, clock=clock, reconcile=False
+    )
+    queue.executor.ack_retry_timeout = 1.0
+    added = store.add("flaky:k", '{"queryHandler": "sql", "query": "k"}')
+    got = store.retrieve(added.id, concurrency=1)
+    assert got is not None
+    executing = asyncio.ensure_future(
+        queue.execute_query(
+            RetrievedQuery("k", added.id, added.id, 0, {"queryHandler": "sql", "query": "k"})
+        )
+    )
+    while not executing.done():  # step the backoff on the clock: 0.05, 0.1, ... 1 s in all
+        await wait_until(lambda: clock.sleepers == 1 or executing.done())
+        clock.advance(2_000)
+    assert await executing is False  # the pool gives such an item back
+    assert [row.queue_id for row in store.active("flaky")] == [added.id]
+    await queue.close(grace=0)
