@@ -337,6 +337,7 @@ class PostgresQueueStore(QueueStore):
     the timeout, on the store's own thread; the supervisor's loop never waits for it."""
 
     blocking = True
+    shared = True
 
     def __init__(
         self,

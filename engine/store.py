@@ -84,6 +84,7 @@ class QueueStore(ListingCommands):
     # Its commands may wait on the network (a database server): they run on a thread of
     # its own, never on the event loop, so a slow database stalls no other client.
     blocking = False
+    shared = False  # read by other hosts' supervisors too (results must live in it)
     _thread: ThreadPoolExecutor | None = None
 
     async def run_off_loop(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:

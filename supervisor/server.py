@@ -628,6 +628,10 @@ class QueueServer:
             if request.method == "ack" and len(request.args) == 2:
                 try:
                     self.segments.check_ack(request.args[1])
+                    if self.store.shared and parse_reference(request.args[1]) is not None:
+                        # Other hosts read this store, not our /dev/shm: it keeps the
+                        # result itself (shared memory stays a same-host hand-off).
+                        request.args[1] = self.segments.take(request.args[1])
                 except QueueError as exc:
                     request.refused = exc
         return batch

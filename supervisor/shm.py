@@ -256,6 +256,19 @@ class SegmentPool:
                 f"{parsed[1]}) is gone: its writer hung up before the ACK"
             )
 
+    def take(self, result: Any) -> str:
+        """The result a reference names, copied out, and its segment back to the pool: for
+        a store other hosts read, which must hold the result itself."""
+        segment = self._find(result)
+        parsed = parse_reference(result)
+        if segment is None or parsed is None:
+            raise SharedResultError(f"no shared-memory segment holds {result!r}")
+        size = parsed[2]
+        with memoryview(segment.memory) as whole, whole[HEADER.size : HEADER.size + size] as data:
+            text = str(data, "utf-8")
+        self._free(segment)
+        return text
+
     # Readers ------------------------------------------------------------------------------
 
     def lease(self, result: Any, reader: object) -> bool:

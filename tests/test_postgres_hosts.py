@@ -389,3 +389,40 @@ def test_after_a_reconnect_active_items_are_not_reaped_for_the_outage(schema: st
         assert [row.queue_id for row in store.stalled(50_000, "p")] == [running]
     finally:
         store.close()
+
+
+async def test_large_results_are_readable_on_every_host(
+    workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from queryqueue.supervisor.shm import SHM_DIR, name_prefix
+    from tests.apps.pool_app import app, big_text
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
+    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
+    queues = [app.pool_queue(d, continue_wait_timeout=30.0) for d in drivers]
+    size = 2 * 1024 * 1024  # over the 1 MiB shared-memory threshold
+
+    async def ask(queue: Any, key: str) -> Any:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return await queue.execute_in_queue("big", key, {"key": key, "size": size})
+            except ContinueWaitError:
+                assert time.monotonic() < deadline, f"no result for {key}"
+
+    try:
+        keys = [f"big{i}" for i in range(8)]
+        # Every key asked on both hosts at once: wherever it ran, both callers read it.
+        results = await asyncio.gather(*(ask(q, key) for key in keys for q in queues))
+        assert results == [big_text(size, key) for key in keys for _ in queues]
+        starts = [t for t in read_trace(workdir) if t[0] == "start"]
+        assert sorted(t[1] for t in starts) == keys  # 8 executions, not 16
+    finally:
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        for host in hosts:
+            assert host.stop() == 0
+    for host in hosts:
+        assert list(SHM_DIR.glob(name_prefix(host.socket_path) + "*")) == []
