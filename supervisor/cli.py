@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -193,8 +194,15 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     status = commands.add_parser(
-        "status", help="per prefix: pending, active, oldest age; commands/s", formatter_class=_Help
+        "status",
+        help="per prefix: pending, active, oldest age; workers and what they run; commands/s",
+        formatter_class=_Help,
     )
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    status.add_argument(
+        "--watch", type=float, default=None, metavar="S", help="show it again every S seconds"
+    )
+    status.add_argument("--count", type=int, default=None, help="with --watch: stop after N times")
     _socket_option(status)
 
     sql = commands.add_parser(
@@ -241,7 +249,7 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "supervisor":
             return _supervisor(parser, args, socket_path)
         if args.command == "status":
-            return asyncio.run(_status(socket_path))
+            return asyncio.run(_status(socket_path, args.json, args.watch, args.count))
         if args.command == "sql":
             return asyncio.run(_sql(socket_path, args.text))
         if args.command == "cancel":
@@ -311,14 +319,27 @@ def _supervisor(
     )
 
 
-async def _status(socket_path: Path) -> int:
+async def _status(socket_path: Path, as_json: bool, watch: float | None, count: int | None) -> int:
     from queryqueue.supervisor.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
+    shown = 0
     try:
-        stats = await driver.stats()
+        while True:
+            stats = await driver.stats()
+            if as_json:
+                print(orjson.dumps(stats).decode(), flush=True)
+            else:
+                _print_status(stats)
+            shown += 1
+            if watch is None or (count is not None and shown >= count):
+                return 0
+            await asyncio.sleep(watch)
     finally:
         await driver.close()
+
+
+def _print_status(stats: dict[str, Any]) -> None:
     print(
         f"supervisor pid {stats['pid']}, up {stats['uptime_s']:.0f} s, "
         f"{stats['commands_per_s']} commands/s, {stats['connections']} connections, "
@@ -333,6 +354,18 @@ async def _status(socket_path: Path) -> int:
             f"pool: {pool['alive']} of {pool['size']} workers{short}{')' if short else ''}, "
             f"{pool['replaced']} replaced, {pool['terminated']} terminated"
         )
+        workers = [
+            [
+                w["pid"],
+                w["state"],
+                "-" if w["rss"] is None else f"{w['rss'] / 1e6:.0f} MB",
+                w["executed"],
+                (w["running"] or {}).get("path", "-"),
+                _age(None if not w["running"] else _ms(w["running"]["running_s"])),
+            ]
+            for w in pool["workers"]
+        ]
+        print(table(["worker", "state", "rss", "ran", "running", "for"], workers))
     rows = [
         [p["prefix"], p["pending"], p["active"], _age(p["oldest_age_ms"])]
         for p in stats["prefixes"]
@@ -342,8 +375,7 @@ async def _status(socket_path: Path) -> int:
         [name, k["count"], k["errors"], k["p50_ms"], k["p99_ms"]]
         for name, k in stats["commands"].items()
     ]
-    print(table(["command", "count", "errors", "p50 ms", "p99 ms"], kinds))
-    return 0
+    print(table(["command", "count", "errors", "p50 ms", "p99 ms"], kinds), flush=True)
 
 
 async def _cancel(
@@ -417,6 +449,10 @@ async def _sql(socket_path: Path, text: str) -> int:
         print(table(columns, [[row.get(c) for c in columns] for row in rows]))
     print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
     return 0
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1000)
 
 
 def _age(ms: int | None) -> str:

@@ -187,16 +187,47 @@ class WorkerPool:
             "alive": len(self._workers),
             "spawn_failures": self.spawn_failures,
             "spawn_error": self.spawn_error,
-            "workers": [
-                {"pid": w.process.pid, "busy": w.job is not None, "executed": w.executed}
-                for w in self._workers
-            ],
+            "workers": [self._describe_worker(w) for w in self._workers],
             "backlog": len(self._backlog),
             "handed_off": self.handed_off,
             "replaced": self.replaced,
             "terminated": self.terminated,
             "recycled": self.recycled,
             "reclaimed": len(self.reclaimed),
+        }
+
+    def _describe_worker(self, worker: _Worker) -> dict[str, Any]:
+        """A worker as `queryqueue status` shows it: pid, state, RSS, what it runs."""
+        job = worker.job
+        state = (
+            "draining"
+            if worker.draining_since is not None
+            else "retiring"
+            if worker.retiring
+            else "busy"
+            if job is not None
+            else "idle"
+        )
+        try:
+            rss: int | None = int(psutil.Process(worker.process.pid).memory_info().rss)
+        except (psutil.Error, ValueError):
+            rss = None
+        running = None
+        if job is not None:
+            started = job.started_at
+            elapsed = None if started is None else asyncio.get_running_loop().time() - started
+            running = {
+                "path": job.path,
+                "queue_id": job.queue_id,
+                "running_s": None if elapsed is None else round(elapsed, 3),
+            }
+        return {
+            "pid": worker.process.pid,
+            "state": state,
+            "busy": job is not None,
+            "executed": worker.executed,
+            "rss": rss,
+            "running": running,
         }
 
     def _fill(self) -> None:

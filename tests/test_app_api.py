@@ -46,13 +46,13 @@ MYMOD = textwrap.dedent(
     @app.handler("slow")
     def slow(query, set_cancel_handler):
         stop.clear()
-        trace("start", os.getpid(), time.monotonic())
+        trace("start", query["key"], os.getpid(), time.monotonic())
         stop.wait(60)
         return "finished"
 
     @app.cancel_handler("slow")
     def cancel_slow(definition):
-        trace("cancel", os.getpid(), time.monotonic())
+        trace("cancel", definition["query"]["key"], os.getpid(), time.monotonic())
         stop.set()
     """
 )
@@ -88,9 +88,10 @@ CALLER = textwrap.dedent(
     elif mode == "divide":
         print(json.dumps(outcome(lambda: app.run_sync("divide", "d", {"a": 1, "b": 0}))))
     elif mode == "slow":
+        key = sys.argv[2]
         outcomes = []
         def wait():
-            outcomes.append(outcome(lambda: app.run_sync("slow", "s", {})))
+            outcomes.append(outcome(lambda: app.run_sync("slow", key, {"key": key})))
         threads = [threading.Thread(target=wait) for _ in range(3)]
         for t in threads: t.start()
         for t in threads: t.join()
@@ -218,7 +219,7 @@ def test_cancel_from_the_command_line_reaches_every_waiter_and_the_worker_at_onc
     project: Project,
 ) -> None:
     caller = subprocess.Popen(
-        [sys.executable, "caller.py", "slow"],
+        [sys.executable, "caller.py", "slow", "s"],
         cwd=project.root,
         env=project.env(),
         stdout=subprocess.PIPE,
@@ -227,7 +228,7 @@ def test_cancel_from_the_command_line_reaches_every_waiter_and_the_worker_at_onc
     )
     try:
         wait_until_sync(
-            lambda: any(t[0] == "start" for t in project.trace()), within=30, what="started"
+            lambda: ["start", "s"] in [t[:2] for t in project.trace()], within=30, what="started"
         )
         started = time.monotonic()
         cancelled = subprocess.run(
@@ -240,16 +241,16 @@ def test_cancel_from_the_command_line_reaches_every_waiter_and_the_worker_at_onc
         assert cancelled.returncode == 0, cancelled.stderr
         assert cancelled.stdout.startswith("cancelled mymod:")
         wait_until_sync(
-            lambda: any(t[0] == "cancel" for t in project.trace()), within=10, what="cancel"
+            lambda: ["cancel", "s"] in [t[:2] for t in project.trace()], within=10, what="cancel"
         )
         # The worker's cancel handler ran within about a second, with a 30 s heartbeat.
-        cancel_at = float(next(t for t in project.trace() if t[0] == "cancel")[2])
+        cancel_at = float(next(t for t in project.trace() if t[:2] == ["cancel", "s"])[3])
         assert cancel_at - started < 2.0
         out, err = caller.communicate(timeout=30)
         assert caller.returncode == 0, err[-3000:]
         outcomes = orjson.loads(out)
         assert [o["error"] for o in outcomes] == ["QueryCancelledError"] * 3
-        assert sum(t[0] == "start" for t in project.trace()) == 1  # it ran once
+        assert sum(t[:2] == ["start", "s"] for t in project.trace()) == 1  # it ran once
         again = subprocess.run(
             [_console_script(), "cancel", "--prefix", "mymod", '"s"'],
             env=project.env(),
@@ -283,3 +284,56 @@ def test_dispatch_takes_only_an_active_items_name_never_a_pickle(project: Projec
     refused = asyncio.run(attempt())
     assert "is not an active item" in refused[0]
     assert "takes an item's path and its queue id" in refused[1]
+
+
+def test_status_shows_the_workers_and_what_they_run(project: Project) -> None:
+    caller = subprocess.Popen(
+        [sys.executable, "caller.py", "slow", "watched"],
+        cwd=project.root,
+        env=project.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_sync(lambda: ["start", "watched"] in [t[:2] for t in project.trace()], within=30)
+        ran = subprocess.run(
+            [_console_script(), "status", "--json"],
+            env=project.env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert ran.returncode == 0, ran.stderr
+        stats = orjson.loads(ran.stdout)
+        workers = stats["pool"]["workers"]
+        worker_pid = int(next(t for t in project.trace() if t[:2] == ["start", "watched"])[2])
+        assert worker_pid in [w["pid"] for w in workers]
+        busy = next(w for w in workers if w["pid"] == worker_pid)
+        assert busy["state"] == "busy" and busy["rss"] > 0
+        assert busy["running"]["path"].startswith("mymod:")
+        assert busy["running"]["running_s"] >= 0
+        # The same for a person, twice (--watch), then it stops by itself.
+        watched = subprocess.run(
+            [_console_script(), "status", "--watch", "0.05", "--count", "2"],
+            env=project.env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert watched.returncode == 0, watched.stderr
+        assert watched.stdout.count("pool: 2 of 2 workers") == 2
+        assert str(worker_pid) in watched.stdout and "busy" in watched.stdout
+        subprocess.run(
+            [_console_script(), "cancel", "--prefix", "mymod", '"watched"'],
+            env=project.env(),
+            capture_output=True,
+            timeout=30,
+            check=True,
+        )
+        caller.communicate(timeout=30)
+        assert caller.returncode == 0
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.communicate(timeout=20)
