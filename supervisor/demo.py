@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import queue as stdlib_queue
 import random
+import signal
 import sqlite3
 import sys
 import tempfile
@@ -316,8 +317,18 @@ def run_demo(
     if min(requests, workers, rows, clients, users) < 1:
         print("queryqueue demo: every size must be at least 1", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="queryqueue-demo-") as tmp:
-        return _run(Path(tmp), requests, workers, rows, clients, users)
+    # SIGTERM (a `timeout`, a CI runner) stops the demo the way Ctrl-C does, through the
+    # `finally` that stops the supervisor, its workers and the request processes.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="queryqueue-demo-") as tmp:
+            return _run(Path(tmp), requests, workers, rows, clients, users)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users: int) -> int:
@@ -379,6 +390,10 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
         elapsed = time.perf_counter() - started
         progress.finish()
         stats = asyncio.run(_stats(socket_path))
+    except KeyboardInterrupt:
+        for process in processes:  # interrupted: nothing of theirs is awaited any more
+            process.kill()
+        raise
     finally:
         for process in processes:
             process.join(10)

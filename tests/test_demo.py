@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+
+import psutil
 
 from queryqueue.supervisor.demo import BACKGROUND, Outcome, digest, plan, summarize
 from tests.supervisor_util import REPO
@@ -63,3 +66,36 @@ def test_a_wrong_result_fails_the_demo() -> None:
     outcomes[1].digest = digest([[1, 2.6]])
     report = summarize(outcomes, {"SELECT 1": right}, stats, 1.0, 2, 1, 4.0)
     assert not report.passed and "wrong results     | 1" in report.text
+
+
+def test_a_demo_stopped_by_sigterm_stops_its_supervisor_and_workers() -> None:
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "queryqueue", "demo", "--rows", "20000", "--requests", "4000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    started: list[psutil.Process] = []
+    try:
+        assert demo.stdout is not None
+        line = ""
+        while "supervisor pid" not in line:
+            line = demo.stdout.readline()
+            assert line, "the demo ended before it started its supervisor"
+        supervisor = psutil.Process(int(line.split("supervisor pid ")[1].split()[0]))
+        started = [supervisor, *supervisor.children()]
+        demo.send_signal(signal.SIGTERM)
+        demo.communicate(timeout=60)
+        assert demo.returncode != 0
+        for process in started:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                process.wait(timeout=30)  # raises if it outlives the deadline
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate(timeout=20)
+        for process in started:  # whatever the demo failed to stop, this test stops
+            if process.is_running():
+                process.kill()
