@@ -128,6 +128,32 @@ class Project:
         assert ran.returncode == 0, ran.stderr[-3000:]
         return orjson.loads(ran.stdout)
 
+    def slow_caller(self, key: str) -> subprocess.Popen[str]:
+        """Three threads of one process waiting for the slow query `key`, once it runs."""
+        caller = subprocess.Popen(
+            [sys.executable, "caller.py", "slow", key],
+            cwd=self.root,
+            env=self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_until_sync(
+                lambda: ["start", key] in [t[:2] for t in self.trace()], within=30, what="started"
+            )
+        except BaseException:
+            caller.kill()
+            caller.communicate(timeout=20)
+            raise
+        return caller
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The `queryqueue` command, as a user runs it against this supervisor."""
+        return subprocess.run(
+            [_console_script(), *args], env=self.env(), capture_output=True, text=True, timeout=30
+        )
+
     def trace(self) -> list[list[str]]:
         path = self.root / "trace"
         return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
@@ -218,26 +244,10 @@ def test_a_handler_error_arrives_with_its_type_and_traceback_and_is_logged_once(
 def test_cancel_from_the_command_line_reaches_every_waiter_and_the_worker_at_once(
     project: Project,
 ) -> None:
-    caller = subprocess.Popen(
-        [sys.executable, "caller.py", "slow", "s"],
-        cwd=project.root,
-        env=project.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    caller = project.slow_caller("s")
     try:
-        wait_until_sync(
-            lambda: ["start", "s"] in [t[:2] for t in project.trace()], within=30, what="started"
-        )
         started = time.monotonic()
-        cancelled = subprocess.run(
-            [_console_script(), "cancel", "--prefix", "mymod", '"s"'],
-            env=project.env(),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        cancelled = project.cli("cancel", "--prefix", "mymod", '"s"')
         assert cancelled.returncode == 0, cancelled.stderr
         assert cancelled.stdout.startswith("cancelled mymod:")
         wait_until_sync(
@@ -251,13 +261,7 @@ def test_cancel_from_the_command_line_reaches_every_waiter_and_the_worker_at_onc
         outcomes = orjson.loads(out)
         assert [o["error"] for o in outcomes] == ["QueryCancelledError"] * 3
         assert sum(t[:2] == ["start", "s"] for t in project.trace()) == 1  # it ran once
-        again = subprocess.run(
-            [_console_script(), "cancel", "--prefix", "mymod", '"s"'],
-            env=project.env(),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        again = project.cli("cancel", "--prefix", "mymod", '"s"')
         assert again.returncode == 1 and "nothing queued or running" in again.stderr
     finally:
         if caller.poll() is None:
@@ -287,23 +291,9 @@ def test_dispatch_takes_only_an_active_items_name_never_a_pickle(project: Projec
 
 
 def test_status_shows_the_workers_and_what_they_run(project: Project) -> None:
-    caller = subprocess.Popen(
-        [sys.executable, "caller.py", "slow", "watched"],
-        cwd=project.root,
-        env=project.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    caller = project.slow_caller("watched")
     try:
-        wait_until_sync(lambda: ["start", "watched"] in [t[:2] for t in project.trace()], within=30)
-        ran = subprocess.run(
-            [_console_script(), "status", "--json"],
-            env=project.env(),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        ran = project.cli("status", "--json")
         assert ran.returncode == 0, ran.stderr
         stats = orjson.loads(ran.stdout)
         workers = stats["pool"]["workers"]
@@ -314,23 +304,11 @@ def test_status_shows_the_workers_and_what_they_run(project: Project) -> None:
         assert busy["running"]["path"].startswith("mymod:")
         assert busy["running"]["running_s"] >= 0
         # The same for a person, twice (--watch), then it stops by itself.
-        watched = subprocess.run(
-            [_console_script(), "status", "--watch", "0.05", "--count", "2"],
-            env=project.env(),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        watched = project.cli("status", "--watch", "0.05", "--count", "2")
         assert watched.returncode == 0, watched.stderr
         assert watched.stdout.count("pool: 2 of 2 workers") == 2
         assert str(worker_pid) in watched.stdout and "busy" in watched.stdout
-        subprocess.run(
-            [_console_script(), "cancel", "--prefix", "mymod", '"watched"'],
-            env=project.env(),
-            capture_output=True,
-            timeout=30,
-            check=True,
-        )
+        assert project.cli("cancel", "--prefix", "mymod", '"watched"').returncode == 0
         caller.communicate(timeout=30)
         assert caller.returncode == 0
     finally:

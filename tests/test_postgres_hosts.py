@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,24 +50,44 @@ def _pool_host(workdir: Path, name: str, schema: str) -> SupervisorProcess:
 
 
 async def _ask(queue: Any, key: str, seconds: float) -> Any:
+    return await _ask_for(queue, "sql", key, {"key": key, "seconds": seconds})
+
+
+async def _ask_for(queue: Any, handler: str, key: str, query: Any) -> Any:
     deadline = time.monotonic() + 60
     while True:
         try:
-            return await queue.execute_in_queue("sql", key, {"key": key, "seconds": seconds})
+            return await queue.execute_in_queue(handler, key, query)
         except ContinueWaitError:
             assert time.monotonic() < deadline, f"no result for {key}"
+
+
+@contextlib.asynccontextmanager
+async def _two_pool_hosts(
+    workdir: Path, schema: str
+) -> AsyncIterator[tuple[list[SupervisorProcess], list[SocketQueueDriver], list[Any]]]:
+    """Two supervisors with pools on one database, and a pool queue on each; all stopped
+    (by pid) afterwards."""
+    from tests.apps.pool_app import app
+
+    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
+    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
+    queues = [app.pool_queue(d, continue_wait_timeout=30.0) for d in drivers]
+    try:
+        yield hosts, drivers, queues
+    finally:
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        for host in hosts:
+            assert host.stop() == 0
 
 
 async def test_two_hosts_share_dedup_and_the_concurrency_budget(
     workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.apps.pool_app import app
-
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
-    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
-    queues = [app.pool_queue(d, continue_wait_timeout=30.0) for d in drivers]
-    try:
+    async with _two_pool_hosts(workdir, schema) as (_, drivers, queues):
         keys = [f"k{i}" for i in range(6)]
         # Every key asked on both hosts at once: each runs once, somewhere.
         results = await asyncio.gather(*(_ask(q, key, 0.3) for key in keys for q in queues))
@@ -80,12 +100,6 @@ async def test_two_hosts_share_dedup_and_the_concurrency_budget(
         ran_on = {int(t[2]) for t in trace if t[0] == "start"}
         pools = [set(w["pid"] for w in (await d.stats())["pool"]["workers"]) for d in drivers]
         assert ran_on <= pools[0] | pools[1]
-    finally:
-        for queue, driver in zip(queues, drivers, strict=True):
-            await queue.shutdown(grace=0)
-            await driver.close()
-        for host in hosts:
-            assert host.stop() == 0
 
 
 async def test_a_host_killed_mid_query_is_reclaimed_by_the_other(
@@ -395,34 +409,18 @@ async def test_large_results_are_readable_on_every_host(
     workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from queryqueue.supervisor.shm import SHM_DIR, name_prefix
-    from tests.apps.pool_app import app, big_text
+    from tests.apps.pool_app import big_text
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
-    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
-    queues = [app.pool_queue(d, continue_wait_timeout=30.0) for d in drivers]
     size = 2 * 1024 * 1024  # over the 1 MiB shared-memory threshold
-
-    async def ask(queue: Any, key: str) -> Any:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                return await queue.execute_in_queue("big", key, {"key": key, "size": size})
-            except ContinueWaitError:
-                assert time.monotonic() < deadline, f"no result for {key}"
-
-    try:
+    async with _two_pool_hosts(workdir, schema) as (hosts, _, queues):
         keys = [f"big{i}" for i in range(8)]
         # Every key asked on both hosts at once: wherever it ran, both callers read it.
-        results = await asyncio.gather(*(ask(q, key) for key in keys for q in queues))
+        results = await asyncio.gather(
+            *(_ask_for(q, "big", key, {"key": key, "size": size}) for key in keys for q in queues)
+        )
         assert results == [big_text(size, key) for key in keys for _ in queues]
         starts = [t for t in read_trace(workdir) if t[0] == "start"]
         assert sorted(t[1] for t in starts) == keys  # 8 executions, not 16
-    finally:
-        for queue, driver in zip(queues, drivers, strict=True):
-            await queue.shutdown(grace=0)
-            await driver.close()
-        for host in hosts:
-            assert host.stop() == 0
     for host in hosts:
         assert list(SHM_DIR.glob(name_prefix(host.socket_path) + "*")) == []
