@@ -444,6 +444,8 @@ class QueryQueue:
 
         stop_watching = await self.driver.watch_slots(self.prefix, nudged)
         try:
+            # Watch, then look: a slot freed before the watch was in place is not missed.
+            await self.reconcile_queue()
             for _ in range(10):
                 try:
                     return await wait_within(waiter, self.continue_wait_timeout)
