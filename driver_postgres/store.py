@@ -13,10 +13,14 @@ each guarantee rests on:
 * RESULT_BLOCKING waiters of every host are woken by a NOTIFY that the ACK sends in its
   own transaction (delivered at commit); a notification missed (a listener reconnecting)
   costs at most `recheck_ms`, the bounded re-check of the store;
-* a command whose connection broke before its COMMIT was sent is re-run once on a fresh
-  connection (it had no effect); one that broke during COMMIT is reported, not guessed.
+* a command whose connection broke before its COMMIT was sent is re-run on a fresh
+  connection (it had no effect); one that broke during COMMIT is looked up by its
+  transaction id (`txid_status`): committed, its answer stands; aborted, it is re-run;
+* in-process wake-ups run after the COMMIT, never before (`_after_commit`);
+* a server that stops answering is noticed by the watchdog (watchdog.py), not waited for.
 
-One connection serves the commands (a supervisor serializes them), one listens.
+Each lane of the store (a thread: engine/lanes.py) has a connection of its own, as has
+any other thread that calls a command; one more connection listens.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import psycopg
 from psycopg import sql
 
 from queryqueue.driver_postgres.schema import ACTIVE, PENDING, migrate
+from queryqueue.driver_postgres.watchdog import Watchdog
 from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock
@@ -60,6 +65,12 @@ T = TypeVar("T")
 RECONNECT_ATTEMPTS = 4
 RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a second
 _NO_SAVEPOINT = contextlib.nullcontext()
+LISTEN_CHECK_S = 5.0
+
+
+def _scalar(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] = ()) -> Any:
+    row = conn.execute(query, params).fetchone()
+    return None if row is None else row[0]
 
 
 class _Disconnected(StoreError):
@@ -352,8 +363,17 @@ class PostgresQueueStore(QueueStore):
         statement_timeout: float = 30.0,
         lock_timeout: float = 10.0,
         idle_in_transaction_timeout: float = 60.0,
+        network_timeout: float | None = None,
+        lanes: int = 4,
     ) -> None:
         super().__init__(clock=clock, result_ttl_ms=result_ttl_ms)
+        self.lanes = lanes
+        # A server that stops answering (a partition, a proxy that stops forwarding) sends
+        # no timeout error either: a command with no answer after this long has its
+        # connection closed under it and fails with a StoreError naming the wait.
+        self.network_timeout = (
+            statement_timeout + 5.0 if network_timeout is None else network_timeout
+        )
         self.session_options = (
             f"-c statement_timeout={round(statement_timeout * 1000)}"
             f" -c lock_timeout={round(lock_timeout * 1000)}"
@@ -373,17 +393,19 @@ class PostgresQueueStore(QueueStore):
         self.connect_timeout = connect_timeout
         self.channel = f"queryqueue_ack_{schema}"
         self.reconnects = 0
-        self._lock = threading.RLock()
+        # A connection per thread: each lane (and a caller's own thread) has its own.
+        self._local = threading.local()
         self._inside = threading.local()
-        self._conn: psycopg.Connection[Any] | None = None
+        self._refreshed_at = float("-inf")
         self._closed = False
+        self._watchdog = Watchdog(self.network_timeout)
         conn = self._connect()
         try:
             migrate(conn, schema)
         except psycopg.Error as exc:
             conn.close()
             raise StoreError(f"cannot migrate the queue schema {schema!r}: {exc}") from exc
-        self._conn = conn
+        self._local.conn = conn
         self._listening = threading.Event()
         self._listener = threading.Thread(
             target=self._listen, name=f"queryqueue-listen-{schema}", daemon=True
@@ -394,11 +416,15 @@ class PostgresQueueStore(QueueStore):
     # -- connections ----------------------------------------------------------------------
 
     def _connect(self, *, autocommit: bool = False) -> psycopg.Connection[Any]:
+        if self._closed:
+            raise StoreError("the queue store is closed")
         try:
             conn = psycopg.connect(
                 self.url,
                 autocommit=autocommit,
-                connect_timeout=max(1, int(self.connect_timeout)),
+                # A server that accepts but never answers is given no longer than one
+                # that answers late.
+                connect_timeout=max(1, int(min(self.connect_timeout, self.network_timeout))),
                 options=f"-c search_path={self.schema} {self.session_options}",
                 # A peer that stops answering is noticed in about 20 s, not hours later.
                 keepalives=1,
@@ -410,53 +436,122 @@ class PostgresQueueStore(QueueStore):
             )
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to the queue database: {exc}") from exc
+        self._watchdog.track(conn)
         return conn
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._closed:
             raise StoreError("the queue store is closed")
-        if self._conn is None or self._conn.closed or self._conn.broken:
-            reconnecting = self._conn is not None
-            if self._conn is not None:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                self._watchdog.forget(conn)
                 with contextlib.suppress(psycopg.Error):
-                    self._conn.close()
+                    conn.close()
                 self.reconnects += 1
-            self._conn = self._connect()
-            if reconnecting:
-                self._after_outage(self._conn)
-        return self._conn
+            fresh = self._connect()
+            self._local.conn = fresh
+            if conn is not None:
+                self._after_outage(fresh)
+            return fresh
+        return conn
 
     def _after_outage(self, conn: psycopg.Connection[Any]) -> None:
         """Back after a broken connection: as at a supervisor's start, active items get a
         fresh heartbeat, since nobody could beat them meanwhile; a live one is not reaped
-        for the outage, a dead one still is a heartbeat timeout later."""
+        for the outage, a dead one still is a heartbeat timeout later. Once per second at
+        most: the lanes reconnecting after one outage need it only once, and a flapping
+        connection should not pay a transaction per reconnect."""
+        now = time.monotonic()
+        if now - self._refreshed_at < 1.0:
+            return
         try:
-            with conn.transaction():
+            with self._watchdog.watching(conn), conn.transaction():
                 PostgresTransaction(conn, self.channel).refresh_active_heartbeats(
                     self.clock.now_ms()
                 )
+            self._refreshed_at = now
         except psycopg.Error:
             pass  # the command that reconnected reports what is wrong
 
     @contextmanager
     def _atomic(self) -> Iterator[PostgresTransaction]:
-        with self._lock:
-            conn = self._connection()
-            committing = False
+        conn = self._connection()
+        effects: list[Callable[[], object]] = []
+        self._local.effects = effects
+        xid: int | None = None
+        committing = False
+        try:
+            with self._watchdog.watching(conn):
+                try:
+                    with conn.transaction():
+                        yield PostgresTransaction(conn, self.channel)
+                        # Its id, if it wrote: a COMMIT whose answer is lost can be
+                        # looked up (txid_status) instead of guessed.
+                        xid = _scalar(conn, "SELECT txid_current_if_assigned()")
+                        committing = True  # leaving the block sends COMMIT
+                except psycopg.OperationalError as exc:
+                    if not self._committed_after_all(conn, exc, xid, committing):
+                        raise
+                except psycopg.Error as exc:
+                    raise StoreError(f"queue database: {exc}") from exc
+        finally:
+            self._local.effects = None
+        for effect in effects:  # decide, then act: only what has committed is told
+            effect()
+
+    def _after_commit(self, effect: Callable[[], object]) -> None:
+        effects: list[Callable[[], object]] | None = getattr(self._local, "effects", None)
+        if effects is None:
+            effect()
+        else:
+            effects.append(effect)
+
+    def _committed_after_all(
+        self, conn: psycopg.Connection[Any], exc: Exception, xid: int | None, committing: bool
+    ) -> bool:
+        """The connection failed under a command: True if its COMMIT took effect anyway,
+        else the StoreError that says what happened is raised (a `_Disconnected` when
+        nothing did, so that the command runs again)."""
+        if self._watchdog.abandoned(conn) and not committing:
+            raise StoreError(
+                f"the queue database did not answer within the network timeout"
+                f" ({self.network_timeout:g} s): its connection was closed"
+            ) from exc
+        if not (conn.broken or conn.closed):
+            raise StoreError(f"queue database: {exc}") from exc
+        if not committing:
+            raise _Disconnected(f"the queue database went away: {exc}") from exc
+        if xid is None:  # it wrote nothing: running it again changes nothing either
+            raise _Disconnected(f"the queue database went away: {exc}") from exc
+        status = self._transaction_status(xid)
+        if status == "committed":
+            return True
+        if status == "aborted":
+            raise _Disconnected(f"the queue database went away before COMMIT: {exc}") from exc
+        raise StoreError(
+            f"the queue database went away during COMMIT and the outcome is unknown: {exc}"
+        ) from exc
+
+    def _transaction_status(self, xid: int) -> str | None:
+        """`txid_status` of a transaction whose COMMIT got no answer, asked on a fresh
+        connection until the database answers it (a restart takes seconds), within
+        `connect_timeout`; None if it never did."""
+        deadline = time.monotonic() + self.connect_timeout
+        delay = RECONNECT_BACKOFF
+        while True:
             try:
-                with conn.transaction():
-                    yield PostgresTransaction(conn, self.channel)
-                    committing = True  # leaving the block sends COMMIT
-            except psycopg.OperationalError as exc:
-                if conn.broken or conn.closed:
-                    if not committing:
-                        raise _Disconnected(f"the queue database went away: {exc}") from exc
-                    raise StoreError(
-                        f"the queue database went away during COMMIT; the outcome is unknown: {exc}"
-                    ) from exc
-                raise StoreError(f"queue database: {exc}") from exc
-            except psycopg.Error as exc:
-                raise StoreError(f"queue database: {exc}") from exc
+                status = _scalar(self._connection(), "SELECT txid_status(%s)", (xid,))
+                with contextlib.suppress(psycopg.Error):
+                    self._local.conn.rollback()
+                if status != "in progress":  # its backend may still be finishing it
+                    return None if status is None else str(status)
+            except (StoreError, psycopg.Error):
+                pass
+            if time.monotonic() + delay > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _run_command(self, run: Callable[[], T]) -> T:
         # The one hook: every command (the command table's decorator) runs through here.
@@ -489,9 +584,7 @@ class PostgresQueueStore(QueueStore):
     def close(self) -> None:
         self._closed = True
         self._stop_thread()
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
+        self._watchdog.close()  # every connection of every thread
         # The listener notices within its poll period and ends by itself (a daemon thread).
         self._listener.join(timeout=0.01)
 
@@ -513,9 +606,16 @@ class PostgresQueueStore(QueueStore):
                 self._listen_healthy = True
                 self._listening.set()
                 delay = 0.05
+                checked = time.monotonic()
                 while not self._closed:
                     for note in conn.notifies(timeout=0.5):
                         self._publish(note.payload)
+                    if time.monotonic() - checked >= LISTEN_CHECK_S:
+                        # A silent connection is no proof of a live one (a partition
+                        # delivers nothing either): one that stops answering is replaced.
+                        with self._watchdog.watching(conn):
+                            conn.execute("SELECT 1")
+                        checked = time.monotonic()
             except psycopg.Error:
                 pass  # reconnect; what was missed meanwhile, re-checks find
             finally:

@@ -125,6 +125,7 @@ class QueueConnection:
         external_id: str | None,
         exclusive: bool,
         fast_track: bool,
+        if_no_result: bool = False,
     ) -> AddedToQueue:
         payload = orjson.dumps(query_def).decode()
         process_id = self.process_uid if exclusive else None
@@ -138,6 +139,7 @@ class QueueConnection:
                 external_id=external_id,
                 exclusive=exclusive,
                 process_id=process_id,
+                if_no_result=if_no_result,
             )
             return AddedToQueue(
                 added=both.added,
@@ -155,6 +157,7 @@ class QueueConnection:
             external_id=external_id,
             exclusive=exclusive,
             process_id=process_id,
+            if_no_result=if_no_result,
         )
         return AddedToQueue(
             added=added.added,

@@ -41,6 +41,7 @@ class QueueDriver(Protocol):
         external_id: str | None = None,
         exclusive: bool = False,
         process_id: str | None = None,
+        if_no_result: bool = False,
     ) -> AddToQueueResponse: ...
 
     async def add_and_retrieve(
@@ -54,6 +55,7 @@ class QueueDriver(Protocol):
         external_id: str | None = None,
         exclusive: bool = False,
         process_id: str | None = None,
+        if_no_result: bool = False,
     ) -> AddAndRetrieveResponse: ...
 
     async def retrieve(
@@ -145,6 +147,7 @@ class LocalQueueDriver:
         external_id: str | None = None,
         exclusive: bool = False,
         process_id: str | None = None,
+        if_no_result: bool = False,
     ) -> AddToQueueResponse:
         return await self.store.run_off_loop(
             self.store.add,
@@ -155,6 +158,7 @@ class LocalQueueDriver:
             external_id=external_id,
             exclusive=exclusive,
             process_id=process_id,
+            if_no_result=if_no_result,
         )
 
     async def add_and_retrieve(
@@ -168,6 +172,7 @@ class LocalQueueDriver:
         external_id: str | None = None,
         exclusive: bool = False,
         process_id: str | None = None,
+        if_no_result: bool = False,
     ) -> AddAndRetrieveResponse:
         return await self.store.run_off_loop(
             self.store.add_and_retrieve,
@@ -179,6 +184,7 @@ class LocalQueueDriver:
             external_id=external_id,
             exclusive=exclusive,
             process_id=process_id,
+            if_no_result=if_no_result,
         )
 
     async def retrieve(

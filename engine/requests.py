@@ -135,6 +135,8 @@ class RequestSide:
             external_id=external_id,
             exclusive=is_stream,
             fast_track=self.queue.fast_track and request.priority >= FAST_TRACK_PRIORITY,
+            # A result that landed since our RESULT read answers: never a second run.
+            if_no_result=not is_stream and not flags.get("forceBuild"),
         )
 
     async def _start(

@@ -12,11 +12,8 @@ choices the README lists under "Where we differ from Cube Store on purpose".
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from abc import abstractmethod
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -30,6 +27,7 @@ from queryqueue.engine.errors import (
     ExternalIdConflictError,
     InvalidCommandError,
 )
+from queryqueue.engine.lanes import Lanes, route_of
 from queryqueue.engine.listing import PURGE_BATCH, ListingCommands
 from queryqueue.engine.records import (
     Item,
@@ -37,7 +35,6 @@ from queryqueue.engine.records import (
     StoreTransaction,
     merge_extra_json,
     new_item,
-    result_response,
 )
 from queryqueue.engine.responses import (
     AckResponse,
@@ -49,6 +46,7 @@ from queryqueue.engine.responses import (
     ResultStatus,
     RetrieveResponse,
 )
+from queryqueue.engine.result_rules import lookup_result, unread_result
 from queryqueue.engine.waiters import AckEvent, ResultWaiters, SlotWatchers
 
 T = TypeVar("T")
@@ -81,24 +79,28 @@ class QueueStore(ListingCommands):
         happen once the batch has committed. Stores that commit in memory need no batching."""
         return nullcontext()
 
-    # Its commands may wait on the network (a database server): they run on a thread of
-    # its own, never on the event loop, so a slow database stalls no other client.
+    # Its commands may wait on the network (a database server): they run on threads of
+    # its own (`lanes` of them, lanes.py), never on the event loop, so a slow database
+    # stalls no other client.
     blocking = False
+    lanes = 1
     shared = False  # read by other hosts' supervisors too (results must live in it)
-    _thread: ThreadPoolExecutor | None = None
+    _lanes: Lanes | None = None
 
-    async def run_off_loop(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`call(*args, **kwargs)` at once, or on the store's thread if it is blocking."""
+    async def run_off_loop(
+        self, call: Callable[..., T], *args: Any, route: str | None = None, **kwargs: Any
+    ) -> T:
+        """`call(*args, **kwargs)` at once, or on a lane if the store is blocking: the lane
+        of `route` (a prefix; by default the one named by the first argument)."""
         if not self.blocking:
             return call(*args, **kwargs)
-        self._thread = self._thread or ThreadPoolExecutor(1, thread_name_prefix="queryqueue-store")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(call, *args, **kwargs))
+        self._lanes = self._lanes or Lanes(self.lanes, "queryqueue-store")
+        return await self._lanes.run(route or route_of(args), call, *args, **kwargs)
 
     def _stop_thread(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.shutdown(wait=True)
+        lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.shutdown()
 
     def _run_command(self, run: Callable[[], T]) -> T:
         """Every command runs through here (the command table's decorator): a store that
@@ -122,8 +124,13 @@ class QueueStore(ListingCommands):
         external_id: str | None = None,
         exclusive: bool = False,
         process_id: str | None = None,
+        if_no_result: bool = False,
     ) -> AddToQueueResponse:
-        """QUEUE ADD [EXCLUSIVE] [PRIORITY n] [ORPHANED s] [EXTERNAL_ID e] path payload."""
+        """QUEUE ADD [EXCLUSIVE] [PRIORITY n] [ORPHANED s] [EXTERNAL_ID e] path payload.
+
+        `if_no_result` (our extension; Cube clients never send it): a result of the path
+        that nobody has read yet answers instead, as a joined item (`added` False, its
+        id), so a caller whose RESULT came just before the ACK runs nothing twice."""
         new = new_item(
             path,
             payload,
@@ -136,9 +143,12 @@ class QueueStore(ListingCommands):
         )
         with self._atomic() as tx:
             existing = self._find_for_add(tx, new)
-            if existing is not None:
+            joined = existing.id if existing is not None else None
+            if joined is None and if_no_result:
+                joined = unread_result(tx, new, self.clock.now_ms())
+            if joined is not None:
                 pending, _ = tx.counts(new.prefix)
-                return AddToQueueResponse(id=existing.id, added=False, pending=pending)
+                return AddToQueueResponse(id=joined, added=False, pending=pending)
             pending, _ = tx.counts(new.prefix)
             queue_id = tx.insert(new)
             return AddToQueueResponse(id=queue_id, added=True, pending=pending + 1)
@@ -155,6 +165,7 @@ class QueueStore(ListingCommands):
         external_id: str | None = None,
         exclusive: bool = False,
         process_id: str | None = None,
+        if_no_result: bool = False,
     ) -> AddAndRetrieveResponse:
         """QUEUE ADD_AND_RETRIEVE ... path payload concurrency: insert, then retrieve if the
         prefix has a slot for it and for everything already pending."""
@@ -171,10 +182,17 @@ class QueueStore(ListingCommands):
         v.check_concurrency(concurrency)
         with self._atomic() as tx:
             existing = self._find_for_add(tx, new)
+            done = (
+                unread_result(tx, new, self.clock.now_ms())
+                if existing is None and if_no_result
+                else None
+            )
             pending, active = tx.counts(new.prefix)
             retrieved: str | None = None
             if existing is not None:
                 queue_id = existing.id
+            elif done is not None:
+                queue_id = done
             elif active + pending < concurrency:
                 # A fresh item is always visible to its adder (EXCLUSIVE needs its process
                 # id); retrieved, it goes straight to active and never counts as pending.
@@ -185,7 +203,7 @@ class QueueStore(ListingCommands):
                 pending += 1
             return AddAndRetrieveResponse(
                 id=queue_id,
-                added=existing is None,
+                added=existing is None and done is None,
                 pending=pending,
                 active=_join(tx.active_keys(new.prefix)),
                 payload=retrieved,
@@ -335,37 +353,7 @@ class QueueStore(ListingCommands):
         if consumer is not None and (not isinstance(consumer, str) or not 0 < len(consumer) <= 64):
             raise InvalidCommandError("consumer must be a string of 1 to 64 characters")
         with self._atomic() as tx:
-            return self._lookup_result(tx, key, external_id, self.clock.now_ms(), consumer)
-
-    @staticmethod
-    def _lookup_result(
-        tx: StoreTransaction,
-        key: QueueKey,
-        external_id: str | None,
-        now: int,
-        consumer: str | None = None,
-    ) -> ResultResponse | None:
-        if external_id is not None:
-            found = tx.latest_result_by_external_id(external_id, now)
-            if found is not None:
-                # Read-many, as in Cube Store: the by-path result stays for its reader.
-                return result_response(found)
-        if isinstance(key, int):
-            found = tx.result_by_id(key, now)
-            return None if found is None else result_response(found)
-        else:
-            found = tx.latest_result_by_path(key, now)
-            if found is None:
-                return None
-            if found.deleted:
-                # Consumed: only the very read that consumed it may have it again.
-                if consumer is None or found.consumed_by != consumer:
-                    return None
-                return result_response(found)
-            if external_id is not None and found.external_id not in (None, external_id):
-                return None
-            tx.mark_result_consumed(found.id, consumer)
-            return result_response(found)
+            return lookup_result(tx, key, external_id, self.clock.now_ms(), consumer)
 
     def _blocking_lookup(
         self, tx: StoreTransaction, key: QueueKey, now: int
@@ -373,7 +361,7 @@ class QueueStore(ListingCommands):
         """RESULT_BLOCKING's first look: RESULT's rules, except that a waiter by id takes
         the path result as it does when woken, so whether the ACK came before or after it
         subscribed makes no difference."""
-        found = self._lookup_result(tx, key, None, now)
+        found = lookup_result(tx, key, None, now)
         if found is not None and isinstance(key, int):
             tx.mark_result_consumed(found.id)
         return found

@@ -13,6 +13,8 @@ import orjson
 
 from queryqueue.engine.errors import QueueError
 from queryqueue.engine.version import package_version
+from queryqueue.supervisor import guard, logs
+from queryqueue.supervisor.logs import FORMAT_ENV, LEVEL_ENV, LEVELS
 from queryqueue.supervisor.paths import SOCKET_ENV, default_socket_path
 from queryqueue.supervisor.tables import table
 
@@ -97,6 +99,46 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         metavar="S",
         help="PostgreSQL: a lock (another client's, another host's) waited for longer fails",
+    )
+    sup.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        default=None,
+        help="serve /metrics (Prometheus), /api/status and a live status page here"
+        " (loopback; the token of --auth-token-file; needs the http extra)",
+    )
+    sup.add_argument(
+        "--http-public",
+        action="store_true",
+        help="let --http listen on a non-loopback address (still behind the token)",
+    )
+    sup.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default=None,
+        help=f"records of the supervisor and its workers at this level and above"
+        f" (${LEVEL_ENV}, default warning; debug shows every queue event)",
+    )
+    sup.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help=f"text, or json: one object per line with the event's fields (${FORMAT_ENV})",
+    )
+    sup.add_argument(
+        "--pg-network-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="PostgreSQL: a command with no answer from the server this long (a partition)"
+        " has its connection closed and fails (default: statement timeout + 5 s)",
+    )
+    sup.add_argument(
+        "--pg-connections",
+        type=int,
+        default=4,
+        metavar="N",
+        help="PostgreSQL: connections serving commands; a prefix waiting on a lock holds one",
     )
     _socket_option(sup)
     sup.add_argument(
@@ -225,6 +267,25 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument("--prefix", help="the queue's prefix (all prefixes with --request-id)")
     cancel.add_argument("--request-id", help="cancel every query of this request id instead")
     _socket_option(cancel)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="read a queue database with no supervisor running (read-only): items, results",
+        formatter_class=_Help,
+    )
+    inspect.add_argument(
+        "--db",
+        type=Path,
+        default=os.environ.get(DB_ENV) or None,
+        help=f"the SQLite queue database; ${DB_ENV}",
+    )
+    inspect.add_argument("--prefix", help="only this queue prefix")
+    inspect.add_argument(
+        "--results", action="store_true", help="the results held, instead of the items"
+    )
+    inspect.add_argument(
+        "--format", choices=["table", "json", "csv"], default="table", help="how to print them"
+    )
     return parser
 
 
@@ -252,6 +313,8 @@ def _main(argv: list[str] | None) -> int:
             return asyncio.run(_status(socket_path, args.json, args.watch, args.count))
         if args.command == "sql":
             return asyncio.run(_sql(socket_path, args.text))
+        if args.command == "inspect":
+            return _inspect(parser, args)
         if args.command == "cancel":
             if (args.key is None) == (args.request_id is None):
                 parser.error("cancel takes a KEY or --request-id ID")
@@ -270,6 +333,26 @@ def _main(argv: list[str] | None) -> int:
     )
 
 
+def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from queryqueue.supervisor import inspect_db
+
+    if args.db is None:
+        parser.error(f"inspect needs --db FILE (or ${DB_ENV})")
+    database = inspect_db.open_read_only(args.db)
+    try:
+        found = inspect_db.rows(database, "results" if args.results else "items", args.prefix)
+        if args.format == "table" and not args.results:
+            counts = inspect_db.summary(database)
+            if args.prefix is not None:
+                counts = [c for c in counts if c["prefix"] == args.prefix]
+            print(inspect_db.render(counts, "table") or "no queued items")
+            print()
+        print(inspect_db.render(found, args.format) or "nothing")
+    finally:
+        database.conn.close()
+    return 0
+
+
 def _supervisor(
     parser: argparse.ArgumentParser, args: argparse.Namespace, socket_path: Path
 ) -> int:
@@ -279,6 +362,13 @@ def _supervisor(
 
     if args.db is None and args.store is None:
         parser.error(f"the supervisor needs --db FILE or --store URL (or ${DB_ENV})")
+    try:
+        logs.configure(args.log_level, args.log_format, role="supervisor")
+        http = (
+            None if args.http is None else guard.parse_address(args.http, public=args.http_public)
+        )
+    except ValueError as exc:  # a bad $QUERYQUEUE_LOG_LEVEL, --http address
+        parser.error(str(exc))
     workers = args.workers if args.workers is not None else (2 if args.app else 0)
     if (args.app is None) != (workers == 0):
         parser.error("--app and --workers go together")
@@ -297,9 +387,12 @@ def _supervisor(
         synchronous=args.synchronous,
         tcp_port=args.tcp_port,
         auth_token_file=args.auth_token_file,
-        postgres_timeouts={
+        http=http,
+        postgres_options={
             "statement_timeout": args.pg_statement_timeout,
             "lock_timeout": args.pg_lock_timeout,
+            "network_timeout": args.pg_network_timeout,
+            "connections": args.pg_connections,
         },
         limits=Limits(
             high_water=args.connection_high_water * MiB,

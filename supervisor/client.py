@@ -289,6 +289,11 @@ class SocketQueueDriver:
             raise CommandTimeoutError(
                 f"{message.get('cmd') or 'command'}: no answer in {answer_within}s"
             ) from None
+        except asyncio.CancelledError:
+            # The caller gave up: its answer, or the link's loss, is nobody's to read.
+            link.pending.pop(request_id, None)
+            future.cancel()
+            raise
 
     async def call(self, method: str, *args: Any, extra_wait: float = 0.0, **kwargs: Any) -> Any:
         """Send one command; returns the raw `ok` value (decode with DECODERS)."""
@@ -392,6 +397,7 @@ class SocketQueueDriver:
         external_id: str | None = None,
         exclusive: bool = False,
         process_id: str | None = None,
+        if_no_result: bool = False,
     ) -> AddToQueueResponse:
         answer: AddToQueueResponse = await self._decoded(
             "add",
@@ -402,6 +408,7 @@ class SocketQueueDriver:
             external_id=external_id,
             exclusive=exclusive,
             process_id=process_id,
+            **({"if_no_result": True} if if_no_result else {}),
         )
         return answer
 
@@ -416,6 +423,7 @@ class SocketQueueDriver:
         external_id: str | None = None,
         exclusive: bool = False,
         process_id: str | None = None,
+        if_no_result: bool = False,
     ) -> AddAndRetrieveResponse:
         answer: AddAndRetrieveResponse = await self._decoded(
             "add_and_retrieve",
@@ -427,6 +435,7 @@ class SocketQueueDriver:
             external_id=external_id,
             exclusive=exclusive,
             process_id=process_id,
+            **({"if_no_result": True} if if_no_result else {}),
         )
         return answer
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import os
 import secrets
 import socket
@@ -137,3 +138,30 @@ def load_or_create_token(path: Path) -> str:
     if len(token) < 16:
         raise UnsafePathError(f"auth token file {path}: the token is shorter than 16 characters")
     return token
+
+
+def parse_address(text: str, *, public: bool) -> tuple[str, int]:
+    """`HOST:PORT` (or `PORT`, on 127.0.0.1), refused if HOST is not loopback and
+    `public` is False."""
+    host, _, port_text = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"--http takes HOST:PORT, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--http port must be 0..65535, got {port}")
+    if not public and not _loopback(host):
+        raise ValueError(
+            f"--http {host}: not a loopback address; add --http-public to serve other hosts"
+        )
+    return host, port
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -22,6 +22,7 @@ import contextlib
 import inspect
 import logging
 import os
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.responses import QueueId, QueueKey
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
+from queryqueue.supervisor import logs
 from queryqueue.supervisor.protocol import decode_retrieved, encode_retrieved
 from queryqueue.supervisor.shm import DEFAULT_THRESHOLD
 
@@ -59,6 +61,11 @@ class _Job:
     abandoned: bool = False
     started_at: float | None = None  # loop time it was sent to a worker
     timed_out: bool = False  # failed by the supervisor's own execution timeout
+    handler: str = ""
+    query_key: str = ""  # as its caller named it (the path has only its hash)
+    priority: int = 0
+    added_ms: float | None = None  # addedToQueueTime: epoch ms it was queued
+    sent_ms: float | None = None  # epoch ms it went to a worker
 
 
 @dataclass(eq=False)
@@ -219,6 +226,9 @@ class WorkerPool:
             running = {
                 "path": job.path,
                 "queue_id": job.queue_id,
+                "handler": job.handler,
+                "query_key": job.query_key,
+                "priority": job.priority,
                 "running_s": None if elapsed is None else round(elapsed, 3),
             }
         return {
@@ -321,9 +331,26 @@ class WorkerPool:
         if self._job(retrieved.queue_id) is not None:
             raise RuntimeError(f"queue item {retrieved.queue_id} is handed off already")
         path = f"{prefix}:{retrieved.query_key_hash}"
-        self._backlog.append(_Job(retrieved.queue_id, path, _JOB + encode_retrieved(retrieved)))
+        query = retrieved.query if isinstance(retrieved.query, dict) else {}
+        added = query.get("addedToQueueTime")
+        priority = query.get("priority")
+        self._backlog.append(
+            _Job(
+                retrieved.queue_id,
+                path,
+                _JOB + encode_retrieved(retrieved),
+                handler=str(query.get("queryHandler") or ""),
+                query_key=_shown_key(query.get("queryKey")),
+                priority=priority if isinstance(priority, int) else 0,
+                added_ms=added if isinstance(added, int | float) else None,
+            )
+        )
         self.handed_off += 1
         self._assign()
+
+    def job(self, key: QueueKey) -> _Job | None:
+        """The job of an item this pool holds (waiting or running), by id or path."""
+        return self._job(key)
 
     def _job(self, key: QueueKey) -> _Job | None:
         for job in self._backlog:
@@ -359,6 +386,7 @@ class WorkerPool:
                 job = self._backlog.popleft()
                 worker.job = job
                 job.started_at = asyncio.get_running_loop().time()
+                job.sent_ms = time.time() * 1000
                 try:
                     worker.conn.send_bytes(job.blob)
                 except (OSError, ValueError):
@@ -599,8 +627,18 @@ def worker_main(app_ref: str, socket_path: str, conn: Any, shm_threshold: int | 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     supervisor = os.getppid()
     _die_with_parent()
-    logging.basicConfig(level=logging.WARNING, format=f"worker {os.getpid()}: %(message)s")
+    logs.configure(role="worker")  # the supervisor's level and format, on its stream
     asyncio.run(_worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor))
+
+
+def _shown_key(query_key: Any) -> str:
+    """A query key for people to read: a string as it is, anything else as JSON."""
+    if isinstance(query_key, str):
+        return query_key[:200]
+    try:
+        return orjson.dumps(query_key).decode()[:200]
+    except TypeError:
+        return repr(query_key)[:200]
 
 
 def _die_with_parent() -> None:

@@ -19,18 +19,20 @@ def open_store(
     *,
     synchronous: Synchronous,
     schema: str,
-    postgres_timeouts: dict[str, float] | None = None,
+    postgres_options: dict[str, float | None] | None = None,
 ) -> QueueStore:
     """A SQLite file, or a postgresql:// URL (a queue several hosts share)."""
     if _is_url(db):
         from queryqueue.driver_postgres.store import PostgresQueueStore
 
-        timeouts = postgres_timeouts or {}
+        options = postgres_options or {}
         return PostgresQueueStore(
             db,
             schema=schema,
-            statement_timeout=timeouts.get("statement_timeout", 30.0),
-            lock_timeout=timeouts.get("lock_timeout", 10.0),
+            statement_timeout=options.get("statement_timeout") or 30.0,
+            lock_timeout=options.get("lock_timeout") or 10.0,
+            network_timeout=options.get("network_timeout"),
+            lanes=int(options.get("connections") or 4),
         )
     return SqliteQueueStore(db, synchronous=synchronous)
 
@@ -43,7 +45,8 @@ async def serve(
     schema: str = "queryqueue",
     tcp_port: int | None = None,
     auth_token_file: str | Path | None = None,
-    postgres_timeouts: dict[str, float] | None = None,
+    http: tuple[str, int] | None = None,
+    postgres_options: dict[str, float | None] | None = None,
     limits: Limits | None = None,
     shm_caps: tuple[int, int] | None = None,
     app: str | None = None,
@@ -59,21 +62,23 @@ async def serve(
     socket_path = Path(socket_path)
     guard.private_directory(socket_path.parent)
     token = None
-    if tcp_port is not None:
-        token = guard.load_or_create_token(
-            Path(auth_token_file) if auth_token_file else guard.token_path(socket_path)
-        )
+    token_file = Path(auth_token_file) if auth_token_file else guard.token_path(socket_path)
+    if tcp_port is not None or http is not None:
+        # One secret for every listener that is not the owner-only socket.
+        token = guard.load_or_create_token(token_file)
     # One supervisor per database (the socket is locked by the server): a second one
     # would run every query twice and race the first for its budget.
     db_lock = None if _is_url(db) else guard.Lock(guard.lock_path(Path(db)), f"database {db}")
     try:
         await _serve_store(
             open_store(
-                db, synchronous=synchronous, schema=schema, postgres_timeouts=postgres_timeouts
+                db, synchronous=synchronous, schema=schema, postgres_options=postgres_options
             ),
             socket_path,
             tcp_port=tcp_port,
             token=token,
+            http=http,
+            token_file=token_file,
             limits=limits,
             shm_caps=shm_caps,
             app=app,
@@ -97,6 +102,8 @@ async def _serve_store(
     *,
     tcp_port: int | None,
     token: str | None,
+    http: tuple[str, int] | None,
+    token_file: Path,
     limits: Limits | None,
     shm_caps: tuple[int, int] | None,
     app: str | None,
@@ -115,7 +122,7 @@ async def _serve_store(
         socket_path,
         tcp_host="127.0.0.1" if tcp_port is not None else None,
         tcp_port=tcp_port,
-        tcp_token=token,
+        tcp_token=token if tcp_port is not None else None,
         pool=pool,
         limits=limits,
     )
@@ -126,6 +133,7 @@ async def _serve_store(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)  # the handler only sets a flag
     started = False
+    site = None
     try:
         await server.start()  # refuses an unsafe socket directory, a second supervisor
         started = True
@@ -134,17 +142,48 @@ async def _serve_store(
         print(f"queryqueue supervisor listening on {server.socket_path}", flush=True)
         if server.tcp_address is not None:
             print(f"queryqueue supervisor listening on tcp {server.tcp_address}", flush=True)
+        if http is not None and token is not None:
+            site = await _start_site(server, http, token, token_file)
         if ready is not None:
             ready.set()
         await stop.wait()
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        if site is not None:
+            await site.stop()
         if pool is not None:
             await pool.stop()
         if started:
             await server.stop()
         store.close()
+
+
+async def _start_site(
+    server: QueueServer, address: tuple[str, int], token: str, token_file: Path
+) -> Any:
+    """`--http`: metrics and the status page (the `http` extra)."""
+    try:
+        from queryqueue.supervisor.metrics import Metrics
+        from queryqueue.supervisor.web import StatusSite
+    except ImportError as exc:
+        raise SystemExit(
+            f"queryqueue: --http needs the http extra (pip install 'queryqueue[http]'): {exc}"
+        ) from None
+    metrics = Metrics()
+    server.metrics = metrics
+    site = StatusSite(server, metrics, token)
+    await site.start(*address)
+    assert site.address is not None
+    host, port = site.address
+    shown = f"[{host}]" if ":" in host else host
+    # The token stays in its owner-only file, never in a log.
+    print(
+        f"queryqueue status page on http://{shown}:{port}/?token=… (the token is in"
+        f" {token_file}); metrics on /metrics with Authorization: Bearer <token>",
+        flush=True,
+    )
+    return site
 
 
 def run(db: str | Path, socket_path: str | Path, **options: Any) -> int:

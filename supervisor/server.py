@@ -32,6 +32,7 @@ from queryqueue.engine.errors import (
     QueueError,
     StoreError,
 )
+from queryqueue.engine.lanes import route_of
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
@@ -209,6 +210,28 @@ class _Request:
     refused: QueueError | None = None  # refused before it reached the store
 
 
+def _file_sizes(path: Any) -> dict[str, int | None]:
+    """A SQLite store's database and WAL sizes (none for a server-side store)."""
+    if not isinstance(path, str | Path) or str(path) == ":memory:":
+        return {}
+
+    def size(name: str) -> int | None:
+        try:
+            return os.path.getsize(name)
+        except OSError:
+            return None
+
+    return {"db_bytes": size(str(path)), "wal_bytes": size(f"{path}-wal")}
+
+
+def _by_route(batch: list[_Request]) -> dict[str | None, list[_Request]]:
+    """A batch split by the prefix each command is about, in arrival order."""
+    groups: dict[str | None, list[_Request]] = {}
+    for request in batch:
+        groups.setdefault(route_of(tuple(request.args)), []).append(request)
+    return groups
+
+
 class QueueServer:
     def __init__(
         self,
@@ -241,6 +264,8 @@ class QueueServer:
         self.max_frame = max_frame
         self.max_batch = max_batch
         self.stats = Stats()
+        # Set by `--http` (metrics.py): fed from the answers; None costs nothing.
+        self.metrics: Any | None = None
         self.pool = pool
         self.segments = segments or SegmentPool(
             name_prefix(socket_path), result_ttl=store.result_ttl_ms / 1000
@@ -248,6 +273,7 @@ class QueueServer:
         self._servers: list[asyncio.Server] = []
         self._inbox: asyncio.Queue[_Request] = asyncio.Queue()
         self._executor: asyncio.Task[None] | None = None
+        self._lanes_busy: set[asyncio.Task[None]] = set()
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -327,6 +353,7 @@ class QueueServer:
             if background is not None:
                 background.cancel()
                 await asyncio.gather(background, return_exceptions=True)
+        await asyncio.gather(*self._lanes_busy, return_exceptions=True)
         for connection in list(self._connections):
             connection.flush()
             with contextlib.suppress(Exception):
@@ -601,6 +628,7 @@ class QueueServer:
             "shared_memory": self.segments.describe(),
             "connections": len(self._connections),
             "pid": os.getpid(),
+            "files": _file_sizes(getattr(self.store, "path", None)),
         }
 
     # -- execution --------------------------------------------------------------------------------
@@ -608,11 +636,21 @@ class QueueServer:
     async def _execute_forever(self) -> None:
         while True:
             batch = self._take_batch(await self._inbox.get())
-            # A blocking store (PostgreSQL) runs the batch on its own thread; the loop
-            # goes on serving connections, pings and parked long polls meanwhile.
-            self._answer_batch(batch, await self.store.run_off_loop(self._execute, batch))
+            if self.store.blocking:
+                # PostgreSQL: each prefix's commands go to a lane of the store (a thread
+                # and a connection, in order); the loop does not wait for them, so a prefix
+                # waiting on a lock holds up neither other prefixes nor pings.
+                for route, group in _by_route(batch).items():
+                    task = asyncio.ensure_future(self._execute_off_loop(group, route))
+                    self._lanes_busy.add(task)
+                    task.add_done_callback(self._lanes_busy.discard)
+            else:
+                self._answer_batch(batch, self._execute(batch))
             # Let connections read what arrived meanwhile: the next batch groups it.
             await asyncio.sleep(0)
+
+    async def _execute_off_loop(self, batch: list[_Request], route: str | None) -> None:
+        self._answer_batch(batch, await self.store.run_off_loop(self._execute, batch, route=route))
 
     def _run_batch(self) -> None:
         """Run what has arrived, here and now (at shutdown)."""
@@ -652,10 +690,27 @@ class QueueServer:
         self.stats.batches += 1
         self.stats.batched_commands += len(batch)
         now = time.monotonic()
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.batch(len(batch))
         for request, (ok, answer) in zip(batch, answers, strict=True):
             self.stats.record(request.method, now - request.received, ok)
+            if metrics is not None:
+                self._measure(metrics, request, ok, answer, now - request.received)
             request.connection.in_flight -= 1
             self._answer(request, ok, answer)
+
+    def _measure(self, metrics: Any, request: _Request, ok: bool, answer: Any, took: float) -> None:
+        if not ok:
+            metrics.failed(request.method, took)
+            return
+        metrics.answered(request.method, request.args, answer, took)
+        if request.method == "ack" and len(request.args) == 2 and answer.success:
+            # Asked before the worker's "done" clears it: the pool knows what ran.
+            job = self.pool.job(request.args[0]) if self.pool is not None else None
+            key = request.args[0]
+            path = job.path if job is not None else key if isinstance(key, str) else ":"
+            metrics.acked(path, request.args[1], job)
 
     def _run(self, request: _Request) -> tuple[bool, Any]:
         if request.refused is not None:

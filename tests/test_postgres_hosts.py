@@ -17,7 +17,7 @@ import pytest
 
 from queryqueue import ContinueWaitError, SocketQueueDriver, StoreError
 from queryqueue.supervisor.launch import SupervisorProcess, launch
-from tests.postgres_util import URL, drop_schema, fresh_schema, require_postgres
+from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_postgres
 from tests.supervisor_util import REPO
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
@@ -33,14 +33,16 @@ def schema() -> Iterator[str]:
     drop_schema(name)
 
 
-def _host(workdir: Path, name: str, schema: str, *options: str) -> SupervisorProcess:
+def _host(
+    workdir: Path, name: str, schema: str, *options: str, url: str = URL
+) -> SupervisorProcess:
     return launch(
         workdir / f"{name}.db",
         workdir / f"{name}.sock",
         "--schema",
         schema,
         *options,
-        store=URL,
+        store=url,
         cwd=REPO,
     )
 
@@ -129,7 +131,7 @@ async def test_a_host_killed_mid_query_is_reclaimed_by_the_other(
         result = await asyncio.wait_for(callers[alive], 60)
         assert result["key"] == "slow" and result["pid"] in pools[alive]
         starts = [t for t in read_trace(workdir) if t[0] == "start"]
-        assert len(starts) == 2 and int(starts[1][2]) in pools[alive]
+        assert len(starts) == 2 and int(starts[1][2]) in pools[alive], read_trace(workdir)
         # Re-run only once the first execution was dead and its heartbeats stale.
         assert float(starts[1][3]) >= killed_at
         assert (await drivers[alive].list_items("pool")) == []
@@ -199,13 +201,16 @@ async def test_killed_database_connections_lose_no_acknowledged_result(
 
 async def _until_done(command: Any, *args: Any, **kwargs: Any) -> Any:
     """A command the store reported as failed (its connection died during COMMIT) is
-    asked again: every one of these is safe to repeat."""
-    for _ in range(20):
+    asked again: every one of these is safe to repeat. Connections die every 50 ms, so on
+    a loaded machine a try may need many: the bound is a deadline, not a count."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         try:
             return await command(*args, **kwargs)
-        except StoreError:
+        except StoreError as exc:
+            last = exc
             await asyncio.sleep(0.05)
-    raise AssertionError("the store never recovered")
+    raise AssertionError(f"the store never recovered: {last}")
 
 
 async def test_priority_order_holds_across_hosts(
@@ -308,6 +313,73 @@ def test_a_connection_that_keeps_breaking_is_a_store_error_after_bounded_retries
         store.close()
 
 
+def test_a_commit_whose_answer_is_lost_is_looked_up_not_guessed(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ACK's COMMIT reaches the server but its answer never comes back: the store
+    asks the database what became of that transaction (txid_status) on a fresh
+    connection, and reports the ACK done, rather than an unknown outcome."""
+    from queryqueue.driver_postgres import store as pg
+
+    proxy = Proxy()
+    store = pg.PostgresQueueStore(proxy.url, schema=schema, network_timeout=1.0)
+    real_scalar = pg._scalar
+
+    def lose_the_next_answer(conn: Any, query: str, params: tuple[Any, ...] = ()) -> Any:
+        value = real_scalar(conn, query, params)
+        if "txid_current_if_assigned" in query:
+            proxy.mute_answers()  # what the server says from here on is lost
+        return value
+
+    try:
+        store.add("p:k", "{}")
+        retrieved = store.retrieve("p:k", concurrency=1)
+        assert retrieved is not None and retrieved.id is not None
+        monkeypatch.setattr(pg, "_scalar", lose_the_next_answer)
+        ack = store.ack("p:k", '"done"')
+        monkeypatch.undo()
+        assert ack.success
+        found = store.result("p:k")
+        assert found is not None and found.payload == '"done"'
+        assert store.ack("p:k", '"again"').success is False  # it ran once
+    finally:
+        monkeypatch.undo()
+        store.close()
+        proxy.close()
+
+
+async def test_a_waiter_is_woken_only_once_the_ack_has_committed(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ACK's COMMIT is held back a moment: the waiter by path must not be told before
+    it lands (it would take a row it cannot see yet, and the row would be read again)."""
+    from queryqueue.driver_postgres import store as pg
+
+    store = pg.PostgresQueueStore(URL, schema=schema)
+    real_scalar = pg._scalar
+
+    def slow_commit(conn: Any, query: str, params: tuple[Any, ...] = ()) -> Any:
+        value = real_scalar(conn, query, params)
+        if "txid_current_if_assigned" in query and value is not None:
+            time.sleep(0.3)  # between the ACK's last statement and its COMMIT
+        return value
+
+    try:
+        store.add("p:k", "{}")
+        retrieved = store.retrieve("p:k", concurrency=1)
+        assert retrieved is not None and retrieved.id is not None
+        waiter = asyncio.ensure_future(store.result_blocking("p:k", 10_000))
+        await wait_until(lambda: store.waiters.count() == 1, within=10)
+        monkeypatch.setattr(pg, "_scalar", slow_commit)
+        await store.run_off_loop(store.ack, "p:k", '"done"')
+        found = await waiter
+        assert found is not None and found.payload == '"done"'
+        assert store.result("p:k") is None  # the waiter took it: it is not read twice
+    finally:
+        monkeypatch.undo()
+        store.close()
+
+
 async def test_a_lock_held_elsewhere_fails_after_the_lock_timeout_while_ping_answers(
     workdir: Path, schema: str
 ) -> None:
@@ -321,8 +393,12 @@ async def test_a_lock_held_elsewhere_fails_after_the_lock_timeout_while_ping_ans
             other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", ("qq:p",))
             add = asyncio.ensure_future(driver.add("p:k", "{}"))
             await wait_until(lambda: _waiting_on_a_lock(other, schema), within=10)
-            # The supervisor's loop is not waiting with it: ping answers meanwhile.
+            # The supervisor's loop is not waiting with it: ping answers meanwhile, and
+            # another prefix's commands run on another connection.
             assert await driver.ping() == "pong"
+            assert (await driver.add("q:k", "{}")).added
+            assert await driver.retrieve("q:k", concurrency=1) is not None
+            assert [row.id for row in await driver.active("q")] == ["k"]
             assert not add.done()
             with pytest.raises(StoreError, match="lock timeout"):
                 await add
@@ -424,3 +500,87 @@ async def test_large_results_are_readable_on_every_host(
         assert sorted(t[1] for t in starts) == keys  # 8 executions, not 16
     for host in hosts:
         assert list(SHM_DIR.glob(name_prefix(host.socket_path) + "*")) == []
+
+
+async def test_a_frozen_connection_fails_after_the_network_timeout_and_the_supervisor_answers(
+    workdir: Path, schema: str
+) -> None:
+    proxy = Proxy()
+    try:
+        host = _host(workdir, "a", schema, "--pg-network-timeout", "2", url=proxy.url)
+        driver = SocketQueueDriver(host.socket_path)
+        try:
+            assert (await driver.add("p:a", "{}")).added
+            proxy.freeze()  # connections stay open; nothing is forwarded any more
+            add = asyncio.ensure_future(driver.add("p:b", "{}"))
+            assert await driver.ping() == "pong"  # the loop does not wait with it
+            with pytest.raises(StoreError, match=r"network timeout|cannot connect"):
+                await add
+            assert await driver.ping() == "pong"
+            proxy.resume()
+            assert (await _until_done(driver.add, "p:c", "{}")).added
+            pending = {row.id for row in await _until_done(driver.pending, "p")}
+            assert {"a", "c"} <= pending  # what was committed before the freeze is there
+        finally:
+            await driver.close()
+            assert host.stop() == 0
+    finally:
+        proxy.close()
+
+
+async def test_a_restart_under_load_answers_every_caller_once_and_sticks_no_slot(
+    workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database goes away for 2 s while queries run (every connection cut, new ones
+    refused: a restart as its clients see it). The workers' heartbeats and ACKs ride it
+    out: every caller gets its own answer, every query ran exactly once (nothing stuck
+    until the stall timeout and run again), and afterwards no slot is held."""
+    from tests.apps.pool_app import app
+
+    proxy = Proxy()
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    try:
+        host = _host(
+            workdir,
+            "a",
+            schema,
+            "--app",
+            APP,
+            "--workers",
+            "2",
+            "--cancel-grace",
+            "1",
+            url=proxy.url,
+        )
+        driver = SocketQueueDriver(host.socket_path)
+        queue = app.pool_queue(driver, continue_wait_timeout=30.0)
+        keys = [f"r{i}" for i in range(10)]
+        try:
+            asks = [asyncio.ensure_future(_ask_through_errors(queue, key, 0.4)) for key in keys]
+            await wait_until(lambda: read_trace(workdir) != [], within=30)  # queries run
+            proxy.cut()
+            await asyncio.sleep(2.0)  # the outage itself, not a wait for something
+            proxy.resume()
+            answers = await asyncio.wait_for(asyncio.gather(*asks), 60)
+            assert [answer["key"] for answer in answers] == keys
+            started = [event[1] for event in read_trace(workdir) if event[0] == "start"]
+            assert sorted(started) == sorted(keys), "a query ran twice, or never"
+            assert await _until_done(driver.active, "sql") == []
+            assert await _until_done(driver.pending, "sql") == []
+        finally:
+            await queue.shutdown(grace=0)
+            await driver.close()
+            assert host.stop() == 0
+    finally:
+        proxy.close()
+
+
+async def _ask_through_errors(queue: Any, key: str, seconds: float) -> Any:
+    """A caller that asks again after a StoreError (the database is away), as one would."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return await _ask(queue, key, seconds)
+        except StoreError:
+            assert time.monotonic() < deadline, f"no result for {key}"
+            await asyncio.sleep(0.1)

@@ -73,6 +73,36 @@ def test_re_add_of_active_item_is_deduplicated(store: QueueStore) -> None:
     )
 
 
+def test_an_add_if_no_result_joins_an_unread_result_and_only_that(store: QueueStore) -> None:
+    """Our extension: a caller's RESULT read came just before the ACK; its ADD then joins
+    the answered item instead of running the query again. Cube's ADD (no flag) adds."""
+    first = store.add(path("a"), payload()).id
+    store.retrieve(path("a"), concurrency=1)
+    store.ack(first, payload(r=1))
+    for joined in (
+        store.add(path("a"), payload(), if_no_result=True),
+        store.add_and_retrieve(path("a"), payload(), 5, if_no_result=True),
+    ):
+        assert (joined.id, joined.added) == (first, False)
+    assert store.list_items(P) == []  # nothing was queued
+    found = store.result(first)  # by id, as the caller then reads it
+    assert found is not None and found.payload == payload(r=1)
+    # Read by path (consumed): a new ADD runs the query again, as any ADD does.
+    assert store.result(path("a")) is not None
+    again = store.add(path("a"), payload(), if_no_result=True)
+    assert again.added and again.id != first
+    # A result made for another external id is not this caller's.
+    store.cancel(again.id)
+    other = store.add(path("b"), payload(), external_id="ext-1").id
+    store.ack(other, payload(r=3))
+    mine = store.add(path("b"), payload(), external_id="ext-2", if_no_result=True)
+    assert mine.added
+    # Without the flag, Cube's ADD adds even beside an unread result.
+    third = store.add(path("c"), payload()).id
+    store.ack(third, payload(r=4))
+    assert store.add(path("c"), payload()).added
+
+
 def test_ids_are_not_reused_after_ack_cancel_or_truncate(store: QueueStore) -> None:
     a = store.add(path("a"), payload()).id
     store.ack(a, None)

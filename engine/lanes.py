@@ -1,0 +1,86 @@
+"""Threads for a blocking store's commands, so that one waiting prefix stalls no other.
+
+A store whose commands wait on the network (PostgreSQL) runs them off the event loop, on
+`count` lanes: a thread each, with a connection of its own. A command of a prefix that
+already has one in flight joins that prefix's lane (FIFO, so a prefix's commands keep
+their order); any other goes to the least loaded lane. A prefix waiting on a lock held
+elsewhere then holds up its own lane only: other prefixes, and commands addressed by
+queue id, take the free ones.
+
+Routing happens on the event loop (every call and every completion runs there), so the
+bookkeeping needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Lanes:
+    def __init__(self, count: int, name: str) -> None:
+        if count < 1:
+            raise ValueError(f"a store needs at least one lane, got {count}")
+        self._threads = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{n}") for n in range(count)
+        ]
+        self._load = [0] * count
+        self._route_lane: dict[str, int] = {}
+        self._route_load: dict[str, int] = {}
+
+    @property
+    def load(self) -> list[int]:
+        return list(self._load)
+
+    def pick(self, route: str | None) -> int:
+        lane = self._route_lane.get(route) if route is not None else None
+        if lane is None:
+            lane = min(range(len(self._load)), key=self._load.__getitem__)
+            if route is not None:
+                self._route_lane[route] = lane
+        return lane
+
+    async def run(self, route: str | None, call: Callable[..., T], *args: Any, **kw: Any) -> T:
+        lane = self.pick(route)
+        self._load[lane] += 1
+        if route is not None:
+            self._route_load[route] = self._route_load.get(route, 0) + 1
+        loop = asyncio.get_running_loop()
+        done = self._threads[lane].submit(functools.partial(call, *args, **kw))
+        # Counted down when the call has ended on its thread, not when the caller stops
+        # waiting (a cancelled caller): until then the lane is still busy with it.
+        done.add_done_callback(lambda _: _call_soon(loop, self._finished, lane, route))
+        return await asyncio.wrap_future(done, loop=loop)
+
+    def _finished(self, lane: int, route: str | None) -> None:
+        self._load[lane] -= 1
+        if route is not None:
+            left = self._route_load[route] - 1
+            if left:
+                self._route_load[route] = left
+            else:  # nothing of it in flight: its next command may take any lane
+                del self._route_load[route]
+                del self._route_lane[route]
+
+    def shutdown(self) -> None:
+        for thread in self._threads:
+            thread.shutdown(wait=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop closed: nothing is left to route
+        loop.call_soon_threadsafe(callback, *args)
+
+
+def route_of(args: tuple[Any, ...]) -> str | None:
+    """The prefix a command is about, from its first argument (a path or a prefix); None
+    for a queue id or no argument."""
+    if args and isinstance(args[0], str):
+        return args[0].rpartition(":")[0] or args[0]
+    return None
