@@ -108,6 +108,7 @@ def test_an_install_adds_exactly_one_top_level_package(tmp_path: Path) -> None:
         "queryqueue/driver_sqlite/store.py",
         "queryqueue/driver_postgres/store.py",
         "queryqueue/supervisor/cli.py",
+        "queryqueue/supervisor/status.html",  # the --http page, package data
     ):
         assert expected in names, expected
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
