@@ -313,7 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
     parser.add_argument("--no-peers", action="store_true", help="ours and the references only")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 1 quick)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the tables go (default: benchmarks/results for a full run of every"
+        " workload with every peer, the committed figures; benchmarks/last-run otherwise)",
+    )
     parser.add_argument(
         "--steps", default="", help="run only the systems whose name contains one of these"
     )
@@ -330,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))} (known: {WORKLOADS})")
     sizes = QUICK if args.quick else FULL
+    if args.out is None:
+        # A quick, partial or peerless run never overwrites the committed full-run figures.
+        full = not args.quick and set(only) == set(WORKLOADS) and not args.no_peers
+        full = full and not args.steps
+        args.out = Path("benchmarks/results" if full else "benchmarks/last-run")
     if args.reps:
         sizes = Sizes(**{**sizes.__dict__, "reps": args.reps})
     started = time.monotonic()

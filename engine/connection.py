@@ -37,6 +37,7 @@ class AddedToQueue:
     # active keys of the prefix.
     retrieved: QueryDef | None = None
     active_keys: tuple[str, ...] = ()
+    dispatched: bool = False  # the supervisor's pool already runs the retrieved item
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,7 @@ class QueueConnection:
                 added_to_queue_time=query_def["addedToQueueTime"],
                 retrieved=None if both.payload is None else _merge(both.payload, both.extra),
                 active_keys=_keys(both.active),
+                dispatched=both.dispatched,
             )
         added = await self.driver.add(
             self.path(query_key_hash),

@@ -71,46 +71,12 @@ class Executor:
         """Run a retrieved item to its ACK, then reconcile. Errors are logged, never raised;
         False when the outcome could not be reported (the store unreachable through every
         retry): whoever handed it here should give the item back."""
-        reported = True
-        query = retrieved.query
         query_key_hash, queue_id = retrieved.query_key_hash, retrieved.queue_id
         context = self._execution_context(retrieved)
         execution = _Execution(retrieved)
         self.executions[queue_id] = execution
-        conn = self.queue.connection
         try:
-            start = self.queue.clock.now_ms()
-            self.queue.events.emit(
-                ev.PERFORMING_QUERY,
-                {**context, "timeInQueue": start - query.get("addedToQueueTime", start)},
-            )
-            await conn.optimistic_query_update(query_key_hash, {"startQueryTime": start}, queue_id)
-            heartbeat = asyncio.ensure_future(self._heartbeat(execution, context))
-            started = time.monotonic()
-            try:
-                result = await self._run_handler(execution)
-                self.queue.events.emit(
-                    ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
-                )
-            except Exception as exc:
-                result = encode_error(exc)
-                # Logged here, once, with its traceback; callers get the text in the result.
-                self.queue.events.emit(
-                    ev.ERROR_WHILE_QUERYING,
-                    {**context, "duration": _ms_since(started), "error": repr(exc)},
-                    exc_info=exc,
-                )
-                if isinstance(exc, QueryTimeoutError):
-                    current = await conn.get_query_def(query_key_hash, queue_id)
-                    if current is not None:
-                        self.queue.events.emit(ev.CANCELLING_TIMEOUT, context)
-                        await self.queue.send_cancel_message_fn(
-                            {**current, "cancelHandler": execution.cancel_handler}, queue_id
-                        )
-            finally:
-                execution.finished = True
-                heartbeat.cancel()
-                await asyncio.gather(heartbeat, *execution.side_tasks, return_exceptions=True)
+            result = await self._outcome(execution, context)
             if not await self._acknowledge(query_key_hash, queue_id, result, context):
                 self.queue.events.emit(
                     ev.ORPHANED_RESULT,
@@ -119,14 +85,65 @@ class Executor:
                         "warn": "Result for query was not set: the item is no longer in the queue",
                     },
                 )
-            if self.queue.reconcile:
-                await self.queue.reconcile_queue()
         except Exception as exc:
             self.queue.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
-            reported = False
+            return False
         finally:
             self.executions.pop(queue_id, None)
-        return reported
+        if self.queue.reconcile:
+            try:  # the outcome is stored: a failing reconcile gives nothing back
+                await self.queue.reconcile_queue()
+            except Exception as exc:
+                self.queue.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
+        return True
+
+    async def _outcome(self, execution: _Execution, context: dict[str, Any]) -> str:
+        """Run the handler, heartbeating meanwhile; its outcome as the JSON text to ACK."""
+        retrieved = execution.retrieved
+        query = retrieved.query
+        start = self.queue.clock.now_ms()
+        self.queue.events.emit(
+            ev.PERFORMING_QUERY,
+            {**context, "timeInQueue": start - query.get("addedToQueueTime", start)},
+        )
+        # Not waited for: it goes out ahead of anything the handler sends, and the ACK
+        # waits for it (side tasks end first), so the handler starts a round trip sooner
+        # and a store outage right now costs only this record, not the run.
+        execution.side_tasks.add(
+            asyncio.ensure_future(self._record(execution, {"startQueryTime": start}))
+        )
+        heartbeat = asyncio.ensure_future(self._heartbeat(execution, context))
+        started = time.monotonic()
+        try:
+            result = await self._run_handler(execution)
+            self.queue.events.emit(
+                ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
+            )
+        except Exception as exc:
+            result = encode_error(exc)
+            # Logged here, once, with its traceback; callers get the text in the result.
+            self.queue.events.emit(
+                ev.ERROR_WHILE_QUERYING,
+                {**context, "duration": _ms_since(started), "error": repr(exc)},
+                exc_info=exc,
+            )
+            if isinstance(exc, QueryTimeoutError):
+                await self._cancel_timed_out(execution, context)
+        finally:
+            execution.finished = True
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, *execution.side_tasks, return_exceptions=True)
+        return result
+
+    async def _cancel_timed_out(self, execution: _Execution, context: dict[str, Any]) -> None:
+        retrieved = execution.retrieved
+        conn = self.queue.connection
+        current = await conn.get_query_def(retrieved.query_key_hash, retrieved.queue_id)
+        if current is not None:
+            self.queue.events.emit(ev.CANCELLING_TIMEOUT, context)
+            await self.queue.send_cancel_message_fn(
+                {**current, "cancelHandler": execution.cancel_handler}, retrieved.queue_id
+            )
 
     async def _acknowledge(
         self, query_key_hash: str, queue_id: QueueId, result: str, context: dict[str, Any]
@@ -255,10 +272,14 @@ class Executor:
             return self._handler_threads
 
     async def _record_cancel_handler(self, execution: _Execution, value: Any) -> None:
+        await self._record(execution, {"cancelHandler": value})
+
+    async def _record(self, execution: _Execution, patch: dict[str, Any]) -> None:
+        """Merge `patch` into the item's extra; a failure is logged, not raised."""
         retrieved = execution.retrieved
         try:
             await self.queue.connection.optimistic_query_update(
-                retrieved.query_key_hash, {"cancelHandler": value}, retrieved.queue_id
+                retrieved.query_key_hash, patch, retrieved.queue_id
             )
         except Exception as exc:
             self.queue.events.emit(

@@ -56,12 +56,16 @@ class RequestSide:
         query_key_hash = self.queue.hash_query_key(request.query_key, persistent=is_stream)
         external_id = _external_id(request.request_id)
         conn = self.queue.connection
-        if not flags.get("forceBuild"):
+        if flags.get("forceBuild"):
+            if await conn.get_query_def(query_key_hash) is not None:
+                return None  # a build of this key is already queued or running
+        elif external_id is not None or is_stream:
+            # Cube's RESULT first. Without an external id (read-many, across paths) and
+            # for a plain query, ADD's `if_no_result` answers the same question in the
+            # same round trip: an unread result comes back as the item to read.
             found = await conn.get_result(query_key_hash, external_id)
             if found is not None and not (isinstance(found, dict) and found.get("streamResult")):
                 return parse_result(found)
-        elif await conn.get_query_def(query_key_hash) is not None:
-            return None  # a build of this key is already queued or running
         # Subscribe before anything can dispatch the stream: a handler that starts at once
         # would otherwise emit into no listener.
         stream_waiter = self.queue._subscribe_stream(query_key_hash) if is_stream else None
@@ -170,12 +174,14 @@ class RequestSide:
                 },
             )
         if added.retrieved is not None:
-            await self._fast_track(query_key_hash, added, context)
+            if not added.dispatched:  # else the supervisor's pool has it already
+                await self._fast_track(query_key_hash, added, context)
             active_keys, to_process = list(added.active_keys), list[str]()
         else:
             if self.queue.reconcile or request.query_handler == STREAM_HANDLER:
                 await self.queue.reconcile_queue()
-            if not added.added:
+            if not added.added and self.queue.events.wanted(ev.WAITING_FOR_QUERY):
+                # Whose request it joined: a round trip, only for someone who listens.
                 context = await self._joined_context(query_key_hash, added, context)
             if self.queue.events.wanted(ev.WAITING_FOR_QUERY):
                 active_keys, to_process, _ = await self.queue.connection.get_query_stage_state(True)

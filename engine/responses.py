@@ -39,6 +39,9 @@ class AddAndRetrieveResponse:
     active: str | None  # comma separated keys of the prefix's active items, None when empty
     payload: str | None  # None means "the item was not retrieved"
     extra: str | None
+    # Our extension: a supervisor asked to (`dispatch`) has handed the retrieved item to
+    # its worker pool itself, so the caller has nothing to hand off.
+    dispatched: bool = False
 
 
 @dataclass(frozen=True, slots=True)

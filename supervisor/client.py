@@ -425,11 +425,15 @@ class SocketQueueDriver:
         process_id: str | None = None,
         if_no_result: bool = False,
     ) -> AddAndRetrieveResponse:
+        await self._connected()  # its hello says which prefixes the pool runs
+        # The supervisor hands what it retrieves to its pool itself: no hand-off round trip.
+        dispatch = not exclusive and path.rpartition(":")[0] in self.pool_prefixes
         answer: AddAndRetrieveResponse = await self._decoded(
             "add_and_retrieve",
             path,
             payload,
             concurrency,
+            **({"dispatch": True} if dispatch else {}),
             priority=priority,
             orphaned=orphaned,
             external_id=external_id,

@@ -18,7 +18,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from queryqueue.engine.errors import (
     StoreError,
 )
 from queryqueue.engine.lanes import route_of
+from queryqueue.engine.responses import AddAndRetrieveResponse
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
@@ -208,6 +209,7 @@ class _Request:
     rows: Callable[[Any], list[sqltext.Row]] | None  # set for SQL text: answer as rows
     received: float
     refused: QueueError | None = None  # refused before it reached the store
+    dispatch: bool = False  # ADD_AND_RETRIEVE: hand what it retrieves to the pool
 
 
 def _file_sizes(path: Any) -> dict[str, int | None]:
@@ -561,6 +563,7 @@ class QueueServer:
                 return None
             if method not in COMMANDS:
                 raise InvalidCommandError(f"unknown command {method!r}")
+        dispatch = method == "add_and_retrieve" and kwargs.pop("dispatch", False) is True
         if COMMANDS[method].take_process_id and "process_id" not in kwargs:
             kwargs["process_id"] = connection.process_id
         shape = self._shapes.get(method)
@@ -569,7 +572,9 @@ class QueueServer:
         problem = shape.check(args, kwargs)
         if problem is not None:
             raise InvalidCommandError(f"{method}: wrong arguments ({problem})")
-        return _Request(connection, request_id, method, args, kwargs, rows, received)
+        return _Request(
+            connection, request_id, method, args, kwargs, rows, received, dispatch=dispatch
+        )
 
     def _soon(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -583,11 +588,14 @@ class QueueServer:
             connection.send({"id": request_id, "error": error_payload(exc)})
 
     async def _dispatch_to(self, connection: _Connection, request_id: Any, args: list[Any]) -> None:
+        received = time.monotonic()
         try:
             await self._dispatch(args)
             connection.send({"id": request_id, "ok": True})
+            self.stats.record("dispatch", time.monotonic() - received, True)
         except QueueError as exc:
             connection.send({"id": request_id, "error": error_payload(exc)})
+            self.stats.record("dispatch", time.monotonic() - received, False)
 
     async def _dispatch(self, args: list[Any]) -> None:
         """A client's fast track retrieved an item: run it in the pool. Only the item's
@@ -618,6 +626,25 @@ class QueueServer:
             self.pool.submit(prefix, RetrievedQuery(query_key_hash, queue_id, queue_id, 0, query))
         except RuntimeError as exc:
             raise InvalidCommandError(f"dispatch: {exc}") from None
+
+    def _dispatch_retrieved(self, path: str, answer: AddAndRetrieveResponse) -> Any:
+        """The fast track: what ADD_AND_RETRIEVE retrieved (committed) goes to the pool
+        now, in this loop turn. The query is the store's own answer, not the client's."""
+        if self.pool is None or answer.extra is not None:
+            return answer
+        prefix, _, query_key_hash = path.rpartition(":")
+        if prefix != self.pool.prefix:
+            return answer
+        query = orjson.loads(answer.payload) if answer.payload is not None else None
+        if not isinstance(query, dict):
+            return answer
+        try:
+            self.pool.submit(
+                prefix, RetrievedQuery(query_key_hash, answer.id, answer.id, answer.pending, query)
+            )
+        except RuntimeError:
+            return answer  # stopping: the client's own hand-off fails the same way, and says so
+        return replace(answer, dispatched=True)
 
     async def describe(self) -> dict[str, Any]:
         pool = {"pool": self.pool.describe()} if self.pool is not None else {}
@@ -728,6 +755,8 @@ class QueueServer:
             self.pool.poke(freed=command.frees_slot)
             if request.method == "cancel" and answer is not None and request.args:
                 self.pool.removed(request.args[0])  # its worker hears of it now
+        if ok and request.dispatch and answer.payload is not None:
+            answer = self._dispatch_retrieved(request.args[0], answer)
         if ok and request.method == "ack" and len(request.args) == 2:
             self.segments.acked(request.args[1], bool(answer.success))
         elif ok and answer is not None and request.method in ("result", "result_blocking"):

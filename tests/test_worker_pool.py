@@ -485,3 +485,31 @@ def test_each_event_loop_gets_its_own_client_queue(workdir: Path) -> None:
 
     first, second = asyncio.run(mine()), asyncio.run(mine())
     assert first is not second  # ...and a new loop never inherits a closed loop's queue
+
+
+async def test_the_fast_track_is_dispatched_by_the_supervisor_in_two_round_trips(
+    pool: SupervisorProcess,
+) -> None:
+    """Priority 10 with room: ADD_AND_RETRIEVE retrieves it and the supervisor hands it to
+    its pool in the same turn; the caller sends no DISPATCH and no RESULT read first."""
+    from tests.apps.pool_app import app
+
+    driver = SocketQueueDriver(pool.socket_path)
+    queue = app.pool_queue(driver, continue_wait_timeout=10.0)
+    try:
+        before = (await driver.stats())["commands"]
+        answer = await queue.execute_in_queue(
+            "sql", "urgent", {"key": "urgent", "seconds": 0.01}, priority=10
+        )
+        assert answer["pid"] in {w["pid"] for w in (await driver.stats())["pool"]["workers"]}
+        after = (await driver.stats())["commands"]
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+
+    def sent(name: str) -> int:
+        return int(after.get(name, {}).get("count", 0)) - int(before.get(name, {}).get("count", 0))
+
+    assert sent("add_and_retrieve") == 1
+    assert sent("result_blocking") == 1
+    assert sent("dispatch") == 0 and sent("result") == 0 and sent("add") == 0
