@@ -132,7 +132,7 @@ class Metrics:
                 self.dedup_hits.labels(prefix).inc()
             elif added:
                 self.added.labels(prefix).inc()
-            if method == "add_and_retrieve" and getattr(answer, "retrieved", None) is not None:
+            if method == "add_and_retrieve" and getattr(answer, "payload", None) is not None:
                 self.fast_track_hits.labels(prefix).inc()
         elif method == "cancel" and answer is not None:
             self.cancellations.labels(prefix).inc()

@@ -132,15 +132,21 @@ async def test_metrics_count_executions_and_dedup_hits_per_prefix(
             *(_ask(queue, f"m{i}", 0.05) for i in range(3)),
             *(_ask(queue, "shared", 0.5) for _ in range(3)),
         )
+        # And one at priority 10 with room: the fast track retrieves it in its ADD.
+        urgent = await queue.execute_in_queue(
+            "sql", "urgent", {"key": "urgent", "seconds": 0.01}, priority=10
+        )
+    assert urgent["key"] == "urgent"
     assert [a["key"] for a in answers] == ["m0", "m1", "m2", "shared", "shared", "shared"]
     after = _samples(site.get("/metrics")[2])
-    assert after[ok] == 4  # four executions, all ok
+    assert after[ok] == 5  # five executions, all ok
+    assert after[("queryqueue_fast_track_hits_total", (("prefix", "pool"),))] == 1
     assert after[dedup] >= 2  # the two callers that joined "shared"
     assert after[("queryqueue_workers_alive", ())] == 2
     handler = (("handler", "sql"), ("prefix", "pool"))
-    assert after[("queryqueue_run_seconds_count", handler)] == 4
-    assert after[("queryqueue_wait_seconds_count", handler)] == 4
-    assert after[("queryqueue_command_seconds_count", (("command", "ack"),))] >= 4
+    assert after[("queryqueue_run_seconds_count", handler)] == 5
+    assert after[("queryqueue_wait_seconds_count", handler)] == 5
+    assert after[("queryqueue_command_seconds_count", (("command", "ack"),))] >= 5
     assert after[("queryqueue_db_bytes", ())] > 0
     status = site.status()
     assert [r["query_key"] for r in status["recent"]].count("shared") == 1

@@ -410,6 +410,39 @@ async def test_a_lock_held_elsewhere_fails_after_the_lock_timeout_while_ping_ans
         assert host.stop() == 0
 
 
+async def test_a_table_locked_elsewhere_fails_commands_after_the_lock_timeout_not_ping(
+    workdir: Path, schema: str
+) -> None:
+    """Another session holds the queue's table in ACCESS EXCLUSIVE mode: every prefix's
+    command waits on it (none can run), and each fails with a StoreError naming the lock
+    timeout; the supervisor's loop waits for none of them, and service returns after."""
+    import psycopg
+    from psycopg import sql
+
+    host = _host(workdir, "a", schema, "--pg-lock-timeout", "2")
+    driver = SocketQueueDriver(host.socket_path)
+    try:
+        with psycopg.connect(URL) as other, psycopg.connect(URL, autocommit=True) as admin:
+            other.execute(
+                sql.SQL("LOCK TABLE {}.items IN ACCESS EXCLUSIVE MODE").format(
+                    sql.Identifier(schema)
+                )
+            )
+            adds = [asyncio.ensure_future(driver.add(f"{p}:k", "{}")) for p in ("p", "q", "r")]
+            await wait_until(lambda: _waiting_on_a_lock(admin, schema), within=10)
+            assert await driver.ping() == "pong"
+            assert not any(add.done() for add in adds)
+            for add in adds:
+                with pytest.raises(StoreError, match="lock timeout"):
+                    await add
+            assert await driver.ping() == "pong"
+            other.rollback()  # the lock goes with the transaction
+        assert all([(await driver.add(f"{p}:k", "{}")).added for p in ("p", "q", "r")])
+    finally:
+        await driver.close()
+        assert host.stop() == 0
+
+
 def _waiting_on_a_lock(admin: Any, schema: str) -> bool:
     row = admin.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
