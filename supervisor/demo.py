@@ -7,7 +7,8 @@ request processes, on a temporary SQLite queue.
    them, many users at once: popular queries are asked by many processes at the same time
    (deduplicated), interactive lookups at priority 10 (the fast track) among background
    reports at priority 0, one stream query, one query cancelled while it runs and one that
-   runs into the execution timeout.
+   runs into the execution timeout; then, on the drained queue, an interactive phase (one
+   user per process, think time between lookups, priority 10 and 0 alternately).
 4. Checks every result against a direct execution of the same SQL and prints a summary.
 
 Exits 0 only when every result was correct and the cancel and the timeout did what they
@@ -154,6 +155,28 @@ def plan(requests: int, clients: int, seed: int = 7) -> list[list[Request]]:
     return shares
 
 
+INTERACTIVE_PER_CLIENT = 8  # the interactive phase: one user per process, one at a time
+THINK_TIME = 0.05  # seconds between one user's lookups
+
+
+def interactive_plan(clients: int, per_client: int = INTERACTIVE_PER_CLIENT) -> list[list[Request]]:
+    """The interactive phase, once the background load has drained: each process asks
+    lookups of its own one at a time, alternately at priority 10 and 0, so the fast track
+    (room in the budget) is seen beside the queued path on the same queue."""
+    return [
+        [
+            Request(
+                100_000 + client * per_client + n,
+                "interactive",
+                INTERACTIVE[(client * per_client + n) % len(INTERACTIVE)],
+                10 if n % 2 == 0 else 0,
+            )
+            for n in range(per_client)
+        ]
+        for client in range(clients)
+    ]
+
+
 def digest(rows: Any) -> str:
     return hashlib.sha1(orjson.dumps(rows)).hexdigest()
 
@@ -169,8 +192,22 @@ def client_main(
     settings: dict[str, Any],
     outcomes: Any,
     go: Any,
+    interactive: list[Request] | None = None,
+    interactive_go: Any = None,
 ) -> None:
-    asyncio.run(_client(socket_path, warehouse, requests, users, settings, outcomes, go))
+    asyncio.run(
+        _client(
+            socket_path,
+            warehouse,
+            requests,
+            users,
+            settings,
+            outcomes,
+            go,
+            interactive or [],
+            interactive_go,
+        )
+    )
 
 
 async def _client(
@@ -181,6 +218,8 @@ async def _client(
     settings: dict[str, Any],
     outcomes: Any,
     go: Any,
+    interactive: list[Request],
+    interactive_go: Any,
 ) -> None:
     from queryqueue.engine.errors import QueryCancelledError, QueryError, QueryTimeoutError
     from queryqueue.supervisor.client import SocketQueueDriver
@@ -268,6 +307,16 @@ async def _client(
     go.wait()
     try:
         await asyncio.gather(*(user() for _ in range(users)))
+        if interactive and interactive_go is not None:
+            await asyncio.to_thread(interactive_go.wait)  # every process's load is done
+            # One user per process with a little think time between lookups, the
+            # processes out of step: as people at screens, not a load generator.
+            client = (interactive[0].index - 100_000) // INTERACTIVE_PER_CLIENT
+            await asyncio.sleep(THINK_TIME * client / 4)
+            for request in interactive:
+                todo.put_nowait(request)
+                await user()
+                await asyncio.sleep(THINK_TIME)
     finally:
         await queue.shutdown(grace=0)
         await driver.close()
@@ -366,19 +415,34 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
         )
         outcomes = context.Queue()
         go = context.Event()
-        for share in plan(requests, clients):
+        interactive_go = context.Event()
+        phase = interactive_plan(clients)
+        for share, lookups in zip(plan(requests, clients), phase, strict=True):
             process = context.Process(
                 target=client_main,
-                args=(str(socket_path), str(warehouse), share, users, settings, outcomes, go),
+                args=(
+                    str(socket_path),
+                    str(warehouse),
+                    share,
+                    users,
+                    settings,
+                    outcomes,
+                    go,
+                    lookups,
+                    interactive_go,
+                ),
                 daemon=True,
             )
             process.start()
             processes.append(process)
         started = time.perf_counter()
         go.set()
-        progress = Progress(max(requests, 3))
+        background = max(requests, 3)
+        progress = Progress(background + sum(map(len, phase)))
         results: list[Outcome] = []
         while len(results) < progress.total:
+            if len(results) >= background:
+                interactive_go.set()
             try:
                 outcome = outcomes.get(timeout=1.0)
             except stdlib_queue.Empty:
@@ -404,7 +468,11 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
     print("checking every result against a direct execution ...", flush=True)
     expected = {
         sql: digest(_direct(warehouse, sql))
-        for sql in {o.sql for o in results if o.kind in ("sql", "stream") and o.status == "ok"}
+        for sql in {
+            o.sql
+            for o in results
+            if o.kind in ("sql", "stream", "interactive") and o.status == "ok"
+        }
     }
     report = summarize(results, expected, stats, elapsed, progress.total, clients, timeout)
     print(report.text)
@@ -464,6 +532,7 @@ def summarize(
             "fast track",
             f"{fast} of {len(urgent)} priority-10 queries ({_share(fast, len(urgent))})",
         ],
+        ["interactive phase", _interactive(results)],
         ["throughput", f"{submitted / elapsed:.1f} queries/s over {elapsed:.1f} s"],
         ["stream", ", ".join(f"{o.rows} rows, {_verdict(o, expected)}" for o in streamed)],
         ["cancelled", ", ".join(f"{o.status} after {o.seconds:.1f} s" for o in cancelled)],
@@ -507,6 +576,23 @@ def summarize(
     )
     lines.append("PASSED: every result correct" if passed else "FAILED")
     return Report("\n".join(lines), passed)
+
+
+def _interactive(results: list[Outcome]) -> str:
+    """The fast track's share of the idle-queue lookups, and its latency beside the
+    queued path's."""
+    phase = [o for o in results if o.kind == "interactive" and o.status == "ok"]
+    fast = sorted(o.seconds for o in phase if o.priority >= 10 and o.fast_tracked)
+    urgent = [o for o in phase if o.priority >= 10]
+    queued = sorted(o.seconds for o in phase if o.priority < 10)
+    if not urgent or not queued:
+        return "not run"
+    fast_p50 = f"{_quantile(fast, 0.5) * 1000:.1f} ms" if fast else "-"
+    return (
+        f"{len(fast)} of {len(urgent)} priority-10 lookups on the fast track"
+        f" ({_share(len(fast), len(urgent))}), p50 {fast_p50};"
+        f" priority 0, queued: p50 {_quantile(queued, 0.5) * 1000:.1f} ms"
+    )
 
 
 def _share(part: int, whole: int) -> str:
