@@ -82,6 +82,13 @@ class PostgresTransaction:
         self._c = conn
         self._channel = channel
         self._locked: set[str] = set()
+        self.wrote = False
+
+    def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
+        """A statement that changes data: the transaction then has an id to look up
+        should its COMMIT's answer be lost (see `PostgresQueueStore._atomic`)."""
+        self.wrote = True
+        return self._c.execute(query, params)
 
     def _one(self, query: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
         row: tuple[Any, ...] | None = self._c.execute(query, params).fetchone()
@@ -127,6 +134,7 @@ class PostgresTransaction:
         # A savepoint only where a conflict can happen (an external id, unique across
         # prefixes, so not covered by the prefix lock): it leaves the command usable.
         savepoint = self._c.transaction() if item.external_id is not None else _NO_SAVEPOINT
+        self.wrote = True
         try:
             with savepoint:
                 row = self._one(
@@ -162,7 +170,7 @@ class PostgresTransaction:
         return int(row[0])
 
     def _count(self, prefix: str, pending: int, active: int) -> None:
-        self._c.execute(
+        self._write(
             "INSERT INTO prefix_counts AS c (prefix, pending, active) VALUES (%s, %s, %s)"
             " ON CONFLICT (prefix) DO UPDATE SET pending = c.pending + excluded.pending,"
             " active = c.active + excluded.active",
@@ -170,22 +178,22 @@ class PostgresTransaction:
         )
 
     def activate(self, item: Item, now: int) -> None:
-        self._c.execute(
+        self._write(
             "UPDATE items SET status = %s, heartbeat = %s WHERE id = %s", (ACTIVE, now, item.id)
         )
         self._count(item.prefix, -1, 1)
 
     def set_heartbeat(self, item: Item, now: int) -> None:
-        self._c.execute("UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
+        self._write("UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
 
     def set_orphaned(self, item: Item, deadline: int) -> None:
-        self._c.execute("UPDATE items SET orphaned = %s WHERE id = %s", (deadline, item.id))
+        self._write("UPDATE items SET orphaned = %s WHERE id = %s", (deadline, item.id))
 
     def set_extra(self, item: Item, extra: str | None) -> None:
-        self._c.execute("UPDATE items SET extra = %s WHERE id = %s", (extra, item.id))
+        self._write("UPDATE items SET extra = %s WHERE id = %s", (extra, item.id))
 
     def delete(self, item: Item) -> None:
-        self._c.execute("DELETE FROM items WHERE id = %s", (item.id,))
+        self._write("DELETE FROM items WHERE id = %s", (item.id,))
         if item.status == "pending":
             self._count(item.prefix, -1, 0)
         else:
@@ -245,7 +253,7 @@ class PostgresTransaction:
     # -- results ------------------------------------------------------------------------
 
     def insert_result(self, result: StoredResult) -> None:
-        self._c.execute(
+        self._write(
             "INSERT INTO results (id, path, value, deleted, expire, external_id, consumed_by)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET"
             " path = excluded.path, value = excluded.value, deleted = excluded.deleted,"
@@ -290,7 +298,7 @@ class PostgresTransaction:
         )
 
     def mark_result_consumed(self, id: QueueId, consumer: str | None = None) -> None:
-        self._c.execute(
+        self._write(
             "UPDATE results SET deleted = true, consumed_by = %s WHERE id = %s AND NOT deleted",
             (consumer, id),
         )
@@ -298,7 +306,7 @@ class PostgresTransaction:
     def delete_result(self, id: QueueId) -> None:
         # Taken rather than deleted: gone for every read, but the waiters of other hosts,
         # woken by the same ACK, can still fetch it (see `fetch_acked`) until it expires.
-        self._c.execute("UPDATE results SET deleted = true, taken = true WHERE id = %s", (id,))
+        self._write("UPDATE results SET deleted = true, taken = true WHERE id = %s", (id,))
 
     def fetch_acked(self, id: QueueId, now: int) -> str | None:
         row = self._one("SELECT value FROM results WHERE id = %s AND expire > %s", (id, now))
@@ -306,7 +314,7 @@ class PostgresTransaction:
 
     def purge_expired_results(self, now: int, limit: int) -> int:
         # A bounded batch, skipping rows another host is purging: never a long lock.
-        cursor = self._c.execute(
+        cursor = self._write(
             "DELETE FROM results WHERE id IN (SELECT id FROM results WHERE expire <= %s"
             " LIMIT %s FOR UPDATE SKIP LOCKED)",
             (now, limit),
@@ -326,19 +334,19 @@ class PostgresTransaction:
         return found, int(row[0]) if row else 0
 
     def refresh_active_heartbeats(self, now: int) -> int:
-        cursor = self._c.execute("UPDATE items SET heartbeat = %s WHERE status = %s", (now, ACTIVE))
+        cursor = self._write("UPDATE items SET heartbeat = %s WHERE status = %s", (now, ACTIVE))
         return cursor.rowcount
 
     def truncate(self) -> None:
         # DELETE rather than TRUNCATE: the identity keeps counting, ids are never reused.
-        self._c.execute("DELETE FROM items")
-        self._c.execute("DELETE FROM results")
-        self._c.execute("DELETE FROM prefix_counts")
+        self._write("DELETE FROM items")
+        self._write("DELETE FROM results")
+        self._write("DELETE FROM prefix_counts")
 
     def acked(self, item: Item, result: str | None) -> None:
         # Delivered when this transaction commits, to every host listening.
         note = {"id": item.id, "path": item.path, "null": result is None, "ext": item.external_id}
-        self._c.execute("SELECT pg_notify(%s, %s)", (self._channel, orjson.dumps(note).decode()))
+        self._write("SELECT pg_notify(%s, %s)", (self._channel, orjson.dumps(note).decode()))
 
 
 class PostgresQueueStore(QueueStore):
@@ -485,10 +493,12 @@ class PostgresQueueStore(QueueStore):
             with self._watchdog.watching(conn):
                 try:
                     with conn.transaction():
-                        yield PostgresTransaction(conn, self.channel)
-                        # Its id, if it wrote: a COMMIT whose answer is lost can be
-                        # looked up (txid_status) instead of guessed.
-                        xid = _scalar(conn, "SELECT txid_current_if_assigned()")
+                        tx = PostgresTransaction(conn, self.channel)
+                        yield tx
+                        # Its id, if it wrote (a read-only one costs no round trip): a
+                        # COMMIT whose answer is lost can be looked up (txid_status).
+                        if tx.wrote:
+                            xid = _scalar(conn, "SELECT txid_current_if_assigned()")
                         committing = True  # leaving the block sends COMMIT
                 except psycopg.OperationalError as exc:
                     if not self._committed_after_all(conn, exc, xid, committing):

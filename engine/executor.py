@@ -181,7 +181,7 @@ class Executor:
             execution.cancel_handler = value
 
             def record() -> None:
-                task = asyncio.ensure_future(self._record_cancel_handler(execution, value))
+                task = asyncio.ensure_future(self._record(execution, {"cancelHandler": value}))
                 execution.side_tasks.add(task)
 
             if _in_loop(loop):
@@ -270,9 +270,6 @@ class Executor:
         cancelled or timed out, which Python cannot stop (a worker process can be)."""
         with self._threads_lock:
             return self._handler_threads
-
-    async def _record_cancel_handler(self, execution: _Execution, value: Any) -> None:
-        await self._record(execution, {"cancelHandler": value})
 
     async def _record(self, execution: _Execution, patch: dict[str, Any]) -> None:
         """Merge `patch` into the item's extra; a failure is logged, not raised."""

@@ -41,6 +41,7 @@ from queryqueue.engine.responses import (
     AddAndRetrieveResponse,
     AddToQueueResponse,
     QueryDefResponse,
+    QueueId,
     QueueKey,
     ResultResponse,
     ResultStatus,
@@ -142,10 +143,7 @@ class QueueStore(ListingCommands):
             self.clock.now_ms(),
         )
         with self._atomic() as tx:
-            existing = self._find_for_add(tx, new)
-            joined = existing.id if existing is not None else None
-            if joined is None and if_no_result:
-                joined = unread_result(tx, new, self.clock.now_ms())
+            joined = self._joined(tx, new, if_no_result)
             if joined is not None:
                 pending, _ = tx.counts(new.prefix)
                 return AddToQueueResponse(id=joined, added=False, pending=pending)
@@ -181,18 +179,11 @@ class QueueStore(ListingCommands):
         )
         v.check_concurrency(concurrency)
         with self._atomic() as tx:
-            existing = self._find_for_add(tx, new)
-            done = (
-                unread_result(tx, new, self.clock.now_ms())
-                if existing is None and if_no_result
-                else None
-            )
+            joined = self._joined(tx, new, if_no_result)
             pending, active = tx.counts(new.prefix)
             retrieved: str | None = None
-            if existing is not None:
-                queue_id = existing.id
-            elif done is not None:
-                queue_id = done
+            if joined is not None:
+                queue_id = joined
             elif active + pending < concurrency:
                 # A fresh item is always visible to its adder (EXCLUSIVE needs its process
                 # id); retrieved, it goes straight to active and never counts as pending.
@@ -203,12 +194,20 @@ class QueueStore(ListingCommands):
                 pending += 1
             return AddAndRetrieveResponse(
                 id=queue_id,
-                added=existing is None and done is None,
+                added=joined is None,
                 pending=pending,
                 active=_join(tx.active_keys(new.prefix)),
                 payload=retrieved,
                 extra=None,
             )
+
+    def _joined(self, tx: StoreTransaction, new: Item, if_no_result: bool) -> QueueId | None:
+        """What an ADD of `new` joins instead of inserting: the item at its path, or with
+        `if_no_result` the path's unread result; None when it inserts."""
+        existing = self._find_for_add(tx, new)
+        if existing is not None:
+            return existing.id
+        return unread_result(tx, new, self.clock.now_ms()) if if_no_result else None
 
     @staticmethod
     def _find_for_add(tx: StoreTransaction, new: Item) -> Item | None:

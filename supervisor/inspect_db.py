@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from queryqueue.supervisor.tables import table
+
 _STATUS = {0: "pending", 1: "active"}
 
 
@@ -103,15 +105,7 @@ def render(found: list[dict[str, Any]], fmt: str) -> str:
         writer.writerows(found)
         return out.getvalue().rstrip("\n")
     columns = list(found[0])
-    cells = [[_cell(row[c]) for c in columns] for row in found]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _cell(value: Any) -> str:
-    return "" if value is None else str(value)
+    return table(columns, [[row[c] for c in columns] for row in found])
 
 
 def _decoded(text: str) -> Any:

@@ -38,6 +38,9 @@ class StatusSite:
         self.metrics = metrics
         self._token = token.encode()
         self._runner: web.AppRunner | None = None
+        self._page_text = (
+            resources.files("queryqueue.supervisor").joinpath("status.html").read_text()
+        )
         self.address: tuple[str, int] | None = None
 
     def app(self) -> web.Application:
@@ -100,5 +103,4 @@ class StatusSite:
         return web.Response(body=orjson.dumps(status, default=str), content_type="application/json")
 
     async def _page(self, request: web.Request) -> web.Response:
-        page = resources.files("queryqueue.supervisor").joinpath("status.html").read_text()
-        return web.Response(text=page, content_type="text/html")
+        return web.Response(text=self._page_text, content_type="text/html")

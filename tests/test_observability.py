@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -62,20 +61,24 @@ class Site:
         return found
 
 
-@pytest.fixture
-def http_host(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SupervisorProcess]:
-    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    host = launch(
+def _pool_host(workdir: Path, workers: int, *options: str) -> SupervisorProcess:
+    """A supervisor running the pool test app; $POOL_TRACE is set by the caller."""
+    return launch(
         workdir / "q.db",
         workdir / "q.sock",
         "--app",
         APP,
         "--workers",
-        "2",
-        "--http",
-        "127.0.0.1:0",
+        str(workers),
+        *options,
         cwd=REPO,
     )
+
+
+@pytest.fixture
+def http_host(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SupervisorProcess]:
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    host = _pool_host(workdir, 2, "--http", "127.0.0.1:0")
     try:
         yield host
     finally:
@@ -229,21 +232,11 @@ async def test_the_status_page_shows_a_running_query_and_its_worker_in_a_browser
             await asyncio.gather(asking, return_exceptions=True)
 
 
-def test_json_logs_carry_the_events_fields_one_object_per_line(workdir: Path) -> None:
-    host = launch(
-        workdir / "q.db",
-        workdir / "q.sock",
-        "--app",
-        APP,
-        "--workers",
-        "1",
-        "--log-level",
-        "debug",
-        "--log-format",
-        "json",
-        cwd=REPO,
-        env={**os.environ, "POOL_TRACE": str(workdir / "trace")},
-    )
+def test_json_logs_carry_the_events_fields_one_object_per_line(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    host = _pool_host(workdir, 1, "--log-level", "debug", "--log-format", "json")
     try:
         asyncio.run(_one_query(host))
 

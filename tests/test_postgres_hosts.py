@@ -47,8 +47,10 @@ def _host(
     )
 
 
-def _pool_host(workdir: Path, name: str, schema: str) -> SupervisorProcess:
-    return _host(workdir, name, schema, "--app", APP, "--workers", "2", "--cancel-grace", "1")
+def _pool_host(workdir: Path, name: str, schema: str, *, url: str = URL) -> SupervisorProcess:
+    return _host(
+        workdir, name, schema, "--app", APP, "--workers", "2", "--cancel-grace", "1", url=url
+    )
 
 
 async def _ask(queue: Any, key: str, seconds: float) -> Any:
@@ -216,18 +218,13 @@ async def _until_done(command: Any, *args: Any, **kwargs: Any) -> Any:
 async def test_priority_order_holds_across_hosts(
     workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.apps.pool_app import app
-
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
-    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
-    queues = [app.pool_queue(d, continue_wait_timeout=30.0) for d in drivers]
 
     async def ask(queue: Any, key: str, seconds: float, priority: int) -> Any:
         query = {"key": key, "seconds": seconds}
         return await queue.execute_in_queue("sql", key, query, priority)
 
-    try:
+    async with _two_pool_hosts(workdir, schema) as (_, drivers, queues):
         # The prefix's two slots busy (one per host)...
         blockers = [asyncio.ensure_future(ask(q, f"b{i}", 1.5, 0)) for i, q in enumerate(queues)]
         await wait_until(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=30)
@@ -236,12 +233,6 @@ async def test_priority_order_holds_across_hosts(
         await wait_until(lambda: _pending(drivers[0], 3), within=10)
         high = [asyncio.ensure_future(ask(queues[1], f"high{i}", 0.05, 5)) for i in range(3)]
         await asyncio.gather(*blockers, *low, *high)
-    finally:
-        for queue, driver in zip(queues, drivers, strict=True):
-            await queue.shutdown(grace=0)
-            await driver.close()
-        for host in hosts:
-            assert host.stop() == 0
     started = {t[1]: float(t[3]) for t in read_trace(workdir) if t[0] == "start"}
     assert max(started[f"high{i}"] for i in range(3)) <= min(started[f"low{i}"] for i in range(3))
     assert max_overlap(read_trace(workdir)) == 2
@@ -573,18 +564,7 @@ async def test_a_restart_under_load_answers_every_caller_once_and_sticks_no_slot
     proxy = Proxy()
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     try:
-        host = _host(
-            workdir,
-            "a",
-            schema,
-            "--app",
-            APP,
-            "--workers",
-            "2",
-            "--cancel-grace",
-            "1",
-            url=proxy.url,
-        )
+        host = _pool_host(workdir, "a", schema, url=proxy.url)
         driver = SocketQueueDriver(host.socket_path)
         queue = app.pool_queue(driver, continue_wait_timeout=30.0)
         keys = [f"r{i}" for i in range(10)]
