@@ -45,6 +45,8 @@ async def _timed(awaitable: Awaitable[Any]) -> tuple[float, Any]:
 async def held_lock(work: Path) -> dict[str, Any]:
     import psycopg
 
+    from queryqueue.driver_postgres.store import prefix_lock_key
+
     schema = fresh_schema()
     host = launch(
         work / "l.db",
@@ -60,7 +62,9 @@ async def held_lock(work: Path) -> dict[str, Any]:
     try:
         await driver.add("q:warm", "{}")
         with psycopg.connect(URL, autocommit=True) as other:
-            other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", ("qq:p",))
+            other.execute(
+                "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (prefix_lock_key(schema, "p"),)
+            )
             locked = asyncio.ensure_future(_timed(driver.add("p:k", "{}")))
             await asyncio.sleep(0.5)
             ping, _ = await _timed(driver.ping())

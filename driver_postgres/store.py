@@ -68,6 +68,13 @@ _NO_SAVEPOINT = contextlib.nullcontext()
 LISTEN_CHECK_S = 5.0
 
 
+def prefix_lock_key(schema: str, prefix: str) -> str:
+    """The advisory lock a prefix's commands take. Advisory locks are one namespace per
+    database: the schema is in the key, or two queues in one database (staging and
+    production, two test runs) would wait on each other's prefixes."""
+    return f"qq:{schema}:{prefix}"
+
+
 def _scalar(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] = ()) -> Any:
     row = conn.execute(query, params).fetchone()
     return None if row is None else row[0]
@@ -78,9 +85,10 @@ class _Disconnected(StoreError):
 
 
 class PostgresTransaction:
-    def __init__(self, conn: psycopg.Connection[Any], channel: str) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], channel: str, schema: str) -> None:
         self._c = conn
         self._channel = channel
+        self._schema = schema
         self._locked: set[str] = set()
         self.wrote = False
 
@@ -102,7 +110,8 @@ class PostgresTransaction:
         """Serialize this transaction with every other one on `prefix`, on every host."""
         if prefix not in self._locked:
             self._c.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"qq:{prefix}",)
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                (prefix_lock_key(self._schema, prefix),),
             )
             self._locked.add(prefix)
 
@@ -475,7 +484,7 @@ class PostgresQueueStore(QueueStore):
             return
         try:
             with self._watchdog.watching(conn), conn.transaction():
-                PostgresTransaction(conn, self.channel).refresh_active_heartbeats(
+                PostgresTransaction(conn, self.channel, self.schema).refresh_active_heartbeats(
                     self.clock.now_ms()
                 )
             self._refreshed_at = now
@@ -493,7 +502,7 @@ class PostgresQueueStore(QueueStore):
             with self._watchdog.watching(conn):
                 try:
                     with conn.transaction():
-                        tx = PostgresTransaction(conn, self.channel)
+                        tx = PostgresTransaction(conn, self.channel, self.schema)
                         yield tx
                         # Its id, if it wrote (a read-only one costs no round trip): a
                         # COMMIT whose answer is lost can be looked up (txid_status).

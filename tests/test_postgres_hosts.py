@@ -304,6 +304,31 @@ def test_a_connection_that_keeps_breaking_is_a_store_error_after_bounded_retries
         store.close()
 
 
+def test_queues_in_two_schemas_of_one_database_do_not_share_prefix_locks(schema: str) -> None:
+    """Advisory locks are one namespace per database: a prefix locked in one queue (its
+    schema) must not hold up the same prefix of another queue in the same database."""
+    import psycopg
+
+    from queryqueue.driver_postgres.store import PostgresQueueStore, prefix_lock_key
+
+    other_schema = fresh_schema()
+    store = PostgresQueueStore(URL, schema=schema, lock_timeout=1.0)
+    try:
+        with psycopg.connect(URL, autocommit=True) as other:
+            other.execute(
+                "SELECT pg_advisory_lock(hashtextextended(%s, 0))",
+                (prefix_lock_key(other_schema, "p"),),
+            )
+            assert store.add("p:k", "{}").added  # before: waited, then failed at 1 s
+            other.execute(
+                "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (prefix_lock_key(schema, "p"),)
+            )
+            with pytest.raises(StoreError, match="lock timeout"):
+                store.add("p:k2", "{}")  # its own queue's lock does hold it up
+    finally:
+        store.close()
+
+
 def test_a_commit_whose_answer_is_lost_is_looked_up_not_guessed(
     schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -376,12 +401,16 @@ async def test_a_lock_held_elsewhere_fails_after_the_lock_timeout_while_ping_ans
 ) -> None:
     import psycopg
 
+    from queryqueue.driver_postgres.store import prefix_lock_key
+
     host = _host(workdir, "a", schema, "--pg-lock-timeout", "5")
     driver = SocketQueueDriver(host.socket_path)
     try:
         with psycopg.connect(URL, autocommit=True) as other:
             # Another client holds the prefix's lock (the store takes it per command).
-            other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", ("qq:p",))
+            other.execute(
+                "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (prefix_lock_key(schema, "p"),)
+            )
             add = asyncio.ensure_future(driver.add("p:k", "{}"))
             await wait_until(lambda: _waiting_on_a_lock(other, schema), within=10)
             # The supervisor's loop is not waiting with it: ping answers meanwhile, and
