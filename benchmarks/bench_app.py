@@ -10,7 +10,8 @@ from queryqueue.supervisor.app import QueueApp
 # Callers wait for their results without going back in between (no continue-wait noise).
 app = QueueApp("bench", concurrency=2, continue_wait_timeout=60.0, heartbeat_interval=5.0)
 
-_blobs: dict[int, str] = {}
+_made: dict[tuple[str, int], Any] = {}
+ROW_TEXT = 1000  # characters of text per JSON row: ~1 KiB a row
 
 
 @app.handler("noop")
@@ -24,10 +25,59 @@ def sleep(query: Any, set_cancel_handler: Any) -> int:
     return 1
 
 
+def make(kind: str, size: int) -> Any:
+    """A result of about `size` bytes, made once per process (so a handler's run times
+    only the transfer, and a caller can check what it got against the same value)."""
+    if (kind, size) not in _made:
+        _made[kind, size] = _MAKERS[kind](size)
+    return _made[kind, size]
+
+
+def _blob(size: int) -> str:
+    return ("0123456789abcdef" * (size // 16 + 1))[:size]
+
+
+def _rows(size: int) -> list[dict[str, Any]]:
+    text = _blob(ROW_TEXT)
+    return [{"id": i, "text": text} for i in range(size // (ROW_TEXT + 20))]
+
+
+def _bytes(size: int) -> bytes:
+    return bytes(range(256)) * (size // 256)
+
+
+def _arrow(size: int) -> Any:
+    import numpy as np
+    import pyarrow as pa
+
+    rows = size // 24  # an int64, a float64 and an 8-byte timestamp a row
+    ids = np.arange(rows, dtype="int64")
+    return pa.table(
+        {"id": ids, "value": ids * 0.5, "at": pa.array(ids * 1000, type=pa.timestamp("us"))}
+    )
+
+
+_MAKERS = {"blob": _blob, "rows": _rows, "bytes": _bytes, "arrow": _arrow}
+
+
 @app.handler("blob")
 def blob(query: Any, set_cancel_handler: Any) -> str:
-    """A result of `size` characters, made once per worker so only its transfer is timed."""
-    size = int(query["size"])
-    if size not in _blobs:
-        _blobs[size] = ("0123456789abcdef" * (size // 16 + 1))[:size]
-    return _blobs[size]
+    """A JSON string of `size` characters."""
+    return make("blob", int(query["size"]))  # type: ignore[no-any-return]
+
+
+@app.handler("rows")
+def rows(query: Any, set_cancel_handler: Any) -> list[dict[str, Any]]:
+    """JSON rows of ~1 KiB, `size` bytes of them."""
+    return make("rows", int(query["size"]))  # type: ignore[no-any-return]
+
+
+@app.handler("bytes")
+def raw(query: Any, set_cancel_handler: Any) -> bytes:
+    return make("bytes", int(query["size"]))  # type: ignore[no-any-return]
+
+
+@app.handler("arrow")
+def arrow(query: Any, set_cancel_handler: Any) -> Any:
+    """An Arrow table of `size` bytes of columns."""
+    return make("arrow", int(query["size"]))

@@ -8,17 +8,20 @@ paths, encodes the query definition as JSON and decodes `payload` + `extra` back
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from queryqueue.engine.binary import DEFAULT_PICKLE_MODULES, Outcome
 from queryqueue.engine.driver import QueueDriver
 from queryqueue.engine.responses import (
     ListResponse,
     QueryDefResponse,
     QueueId,
     QueueKey,
+    ResultResponse,
     ToCancelResponse,
 )
 
@@ -84,9 +87,11 @@ class QueueConnection:
         continue_wait_timeout: float,
         orphaned_timeout: float,
         heartbeat_timeout: float,
+        pickle_modules: Collection[str] = DEFAULT_PICKLE_MODULES,
     ) -> None:
         self.driver = driver
         self.prefix = prefix
+        self.pickle_modules = pickle_modules
         self.process_uid = process_uid
         self.concurrency = concurrency
         self.continue_wait_timeout_ms = round(continue_wait_timeout * 1000)
@@ -100,21 +105,39 @@ class QueueConnection:
         # Cube's `queueId || path`: the id names one generation of the item.
         return queue_id if queue_id else self.path(query_key_hash)
 
-    async def get_result(self, query_key_hash: str, external_id: str | None = None) -> Any:
+    async def get_result(
+        self, query_key_hash: str, external_id: str | None = None, *, view: bool = False
+    ) -> Any:
         found = await self.driver.result(self.path(query_key_hash), external_id=external_id)
-        return None if found is None or found.payload is None else orjson.loads(found.payload)
+        return await self._decoded_result(found, view)
 
-    async def get_result_by_id(self, queue_id: QueueId) -> Any:
-        found = await self.driver.result(queue_id)
-        return None if found is None or found.payload is None else orjson.loads(found.payload)
+    async def get_result_by_id(self, queue_id: QueueId, *, view: bool = False) -> Any:
+        return await self._decoded_result(await self.driver.result(queue_id), view)
 
     async def get_result_blocking(
-        self, query_key_hash: str, queue_id: QueueId | None, wait: float | None = None
+        self,
+        query_key_hash: str,
+        queue_id: QueueId | None,
+        wait: float | None = None,
+        *,
+        view: bool = False,
     ) -> Any:
         """The result, waiting up to `wait` seconds (`continue_wait_timeout` by default)."""
         timeout_ms = self.continue_wait_timeout_ms if wait is None else round(wait * 1000)
         found = await self.driver.result_blocking(self._key(query_key_hash, queue_id), timeout_ms)
-        return None if found is None or found.payload is None else orjson.loads(found.payload)
+        return await self._decoded_result(found, view)
+
+    async def _decoded_result(self, found: ResultResponse | None, view: bool) -> Any:
+        """The outcome, decoded; a binary result in shared memory read out (or viewed, its
+        lease then in "$lease")."""
+        if found is None or found.payload is None:
+            return None
+        if found.shared is not None:
+            outcome: dict[str, Any] = await found.shared.read(
+                view=view, pickle_modules=self.pickle_modules
+            )
+            return outcome
+        return orjson.loads(found.payload)
 
     async def add_to_queue(
         self,
@@ -259,7 +282,7 @@ class QueueConnection:
         )
 
     async def set_encoded_result_and_remove_query(
-        self, query_key_hash: str, result: str, queue_id: QueueId | None
+        self, query_key_hash: str, result: Outcome, queue_id: QueueId | None
     ) -> bool:
         """The design doc's setResultAndRemoveQuery, with the result already JSON text
         (encoded once, where it was made)."""

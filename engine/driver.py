@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from queryqueue.engine.binary import BinaryResult, Outcome
 from queryqueue.engine.memory_store import MemoryQueueStore
 from queryqueue.engine.responses import (
     AckResponse,
@@ -67,7 +68,10 @@ class QueueDriver(Protocol):
         process_id: str | None = None,
     ) -> RetrieveResponse | None: ...
 
-    async def ack(self, key: QueueKey, result: str | None) -> AckResponse: ...
+    async def ack(self, key: QueueKey, result: Outcome | None) -> AckResponse:
+        """A binary result (`BinaryResult`) is the driver's to store: as it is where it
+        can (shared memory), else as its `inline_text()`."""
+        ...
 
     async def result(
         self, key: QueueKey, *, external_id: str | None = None, consumer: str | None = None
@@ -203,7 +207,9 @@ class LocalQueueDriver:
             process_id=process_id,
         )
 
-    async def ack(self, key: QueueKey, result: str | None) -> AckResponse:
+    async def ack(self, key: QueueKey, result: Outcome | None) -> AckResponse:
+        if isinstance(result, BinaryResult):
+            result = result.inline_text()
         return await self.store.run_off_loop(self.store.ack, key, result)
 
     async def result(

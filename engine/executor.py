@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from queryqueue.engine import events as ev
 from queryqueue.engine.aio import wait_within
+from queryqueue.engine.binary import Outcome
 from queryqueue.engine.connection import QueryDef
 from queryqueue.engine.errors import (
     CommandTimeoutError,
@@ -29,7 +30,7 @@ from queryqueue.engine.errors import (
 )
 from queryqueue.engine.handlers import QueryHandler, SetCancelHandler
 from queryqueue.engine.hashing import js_number
-from queryqueue.engine.outcome import CANCELLED_MESSAGE, encode_error, encode_result
+from queryqueue.engine.outcome import CANCELLED_MESSAGE, encode_error
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
 
@@ -97,7 +98,7 @@ class Executor:
                 self.queue.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
         return True
 
-    async def _outcome(self, execution: _Execution, context: dict[str, Any]) -> str:
+    async def _outcome(self, execution: _Execution, context: dict[str, Any]) -> Outcome:
         """Run the handler, heartbeating meanwhile; its outcome as the JSON text to ACK."""
         retrieved = execution.retrieved
         query = retrieved.query
@@ -146,7 +147,7 @@ class Executor:
             )
 
     async def _acknowledge(
-        self, query_key_hash: str, queue_id: QueueId, result: str, context: dict[str, Any]
+        self, query_key_hash: str, queue_id: QueueId, result: Outcome, context: dict[str, Any]
     ) -> bool:
         """ACK with the result; one that no transport can carry fails the query instead,
         so its waiters hear why rather than wait for a reap. Through an outage (a store
@@ -169,8 +170,8 @@ class Executor:
                 await self.queue.clock.sleep(delay)
                 waited, delay = waited + delay, min(delay * 2, ACK_RETRY_MAX)
 
-    async def _run_handler(self, execution: _Execution) -> str:
-        """Run the handler; its result as the JSON text to ACK with."""
+    async def _run_handler(self, execution: _Execution) -> Outcome:
+        """Run the handler; its result as the JSON text (or binary result) to ACK with."""
         retrieved = execution.retrieved
         query = retrieved.query
         name = query.get("queryHandler")
@@ -219,7 +220,7 @@ class Executor:
             raise
         if inspect.isawaitable(value):
             value = await value
-        return encode_result(value)
+        return self.queue.codecs.encode_outcome(value)
 
     async def _run_stream(self, execution: _Execution) -> str:
         """A stream query: its handler writes rows to a stream its waiters read here."""

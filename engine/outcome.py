@@ -1,4 +1,5 @@
-"""A query's outcome as the JSON text its ACK stores, and back again.
+"""A query's outcome as the JSON text its ACK stores, and back again (a result's own
+encoding is the codec's: `engine/codec.py`, `engine/binary.py`).
 
 Cube's shapes, `{"result": value}` and `{"error": message}`, so Cube clients read ours; an
 error also carries `errorType` (the handler's exception class) and `stack` (its traceback
@@ -14,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from queryqueue.engine.binary import decode_inline
+from queryqueue.engine.codec import Codecs
 from queryqueue.engine.errors import (
     ContinueWaitError,
     QueryCancelledError,
@@ -29,14 +32,6 @@ _FAMILIES: dict[str, type[QueryError]] = {
     "QueryTimeoutError": QueryTimeoutError,
     "WorkerLostError": WorkerLostError,
 }
-
-
-def encode_result(value: Any) -> str:
-    # Encoded once, here: a result of 100 MiB is not serialized twice.
-    try:
-        return orjson.dumps({"result": value}).decode()
-    except TypeError as exc:
-        raise QueryError(f"query result is not JSON serializable: {exc}") from None
 
 
 def encode_error(exc: BaseException) -> str:
@@ -64,8 +59,9 @@ def encode_retry(message: str) -> str:
     ).decode()
 
 
-def parse_result(result: Any) -> Any:
-    """The value of a decoded outcome; an error outcome raises its family."""
+def parse_result(result: Any, codecs: Codecs) -> Any:
+    """The value of a decoded outcome, its types given back (`codecs`); an error outcome
+    raises its family."""
     if isinstance(result, dict):
         if result.get("retry") is True:
             raise ContinueWaitError(str(result.get("error") or "Continue wait"))
@@ -81,7 +77,9 @@ def parse_result(result: Any) -> Any:
                 remote_traceback=stack if isinstance(stack, str) else None,
             )
         if "result" in result:
-            return result["result"]
+            return codecs.decode(result["result"], result.get("$types"))
+        if "$binary" in result:
+            return decode_inline(result, codecs.pickle_modules)
     return None
 
 

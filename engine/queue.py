@@ -18,6 +18,7 @@ from queryqueue.engine import introspection
 from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock, SystemClock
+from queryqueue.engine.codec import Codecs
 from queryqueue.engine.connection import QueryDef, QueueConnection
 from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
 from queryqueue.engine.errors import (
@@ -34,10 +35,7 @@ from queryqueue.engine.handlers import (
     StreamHandler,
 )
 from queryqueue.engine.hashing import hash_query_key, js_number
-from queryqueue.engine.outcome import (
-    encode_cancelled,
-    parse_result,
-)
+from queryqueue.engine.outcome import encode_cancelled
 from queryqueue.engine.requests import Request, RequestSide
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -70,6 +68,7 @@ class QueryQueue:
         clock: Clock | None = None,
         fast_track: bool = True,
         reconcile: bool = True,
+        codecs: Codecs | None = None,
     ) -> None:
         v.check_queue_options(
             concurrency=concurrency,
@@ -91,6 +90,7 @@ class QueryQueue:
         self.fast_track = fast_track
         self.reconcile = reconcile  # False: a supervisor reconciles for it (its own streams aside)
         self.clock: Clock = clock or SystemClock()
+        self.codecs = codecs or Codecs()  # results' types, both ways
         self.events = Events(logger)
         self.driver: QueueDriver = (
             LocalQueueDriver(driver) if driver is None or isinstance(driver, QueueStore) else driver
@@ -101,12 +101,11 @@ class QueryQueue:
         self.streams: dict[str, QueryStream] = {}
         self._stream_waiters: dict[str, set[asyncio.Future[QueryStream]]] = {}
         self._reconcile_task: asyncio.Task[None] | None = None
-        self._reconcile_again = False
+        self._reconcile_again = self._closing = self._closed = False
         self.reconcile_runs = 0  # completed reconcileQueueImpl runs, for stats and tests
         self._reaped_at: int | None = None  # when this process last looked for stalled items
         self._background: set[asyncio.Task[Any]] = set()
-        self._closing = False  # shutdown() in progress: start nothing new meanwhile
-        self._closed = False  # close(): refuses new work for good
+        # _closing: shutdown() in progress, start nothing new; _closed: close() was called.
         self.executor = Executor(self)
         self.requests = RequestSide(self)
 
@@ -120,6 +119,7 @@ class QueryQueue:
             continue_wait_timeout=self.continue_wait_timeout,
             orphaned_timeout=self.orphaned_timeout,
             heartbeat_timeout=self.heartbeat_interval * 4,
+            pickle_modules=self.codecs.pickle_modules,
         )
 
     # -- request side --------------------------------------------------------------------
@@ -162,16 +162,18 @@ class QueryQueue:
         timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, like Future.result(timeout)
         request_id: str | None = None,
         stage_query_key: Any = None,
+        view: bool = False,
     ) -> Any:
         """Enqueue (or join) a query and wait for its result, however long it takes.
 
         Re-polls the same item while it runs; raises `QueryTimeoutError` once `timeout`
         seconds have passed without a result (the query itself goes on, for other callers),
-        `QueryCancelledError` if it was cancelled, `QueryError` if its handler failed."""
+        `QueryCancelledError` if cancelled, `QueryError` if its handler failed. `view`:
+        answer a `ResultView` (a binary result read in place until released)."""
         if timeout is not None and not timeout > 0:
             raise InvalidCommandError(f"timeout must be positive seconds, got {timeout!r}")
         request = Request(
-            query_handler, query_key, query, priority, stage_query_key, request_id, None
+            query_handler, query_key, query, priority, stage_query_key, request_id, None, view
         )
         deadline = None if timeout is None else self.clock.now_ms() + round(timeout * 1000)
         queue_id: QueueId | None = None
@@ -187,9 +189,9 @@ class QueryQueue:
             if queue_id is not None:
                 # A result by queue id reads many times: another caller's read by path
                 # cannot have taken it from us.
-                found = await self.connection.get_result_by_id(queue_id)
+                found = await self.connection.get_result_by_id(queue_id, view=view)
                 if found is not None:
-                    return parse_result(found)
+                    return self.requests.answer(found, view)
             try:
                 return await self.requests.execute(request, wait)
             except ContinueWaitError as exc:
@@ -437,8 +439,7 @@ class QueryQueue:
             return stream
 
         # Only this process may retrieve its stream item, and other processes' ACKs do not
-        # reconcile on its behalf: look again whenever a slot frees (the driver says so),
-        # and every long-poll period should a nudge be missed.
+        # reconcile for it: look again whenever a slot frees, and every long-poll period.
         def nudged() -> None:
             self._spawn(self.reconcile_queue())
 

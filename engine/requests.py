@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from queryqueue.engine import events as ev
+from queryqueue.engine.binary import ResultView
 from queryqueue.engine.connection import AddedToQueue, QueryDef
 from queryqueue.engine.errors import ContinueWaitError, InvalidCommandError, QueueClosedError
 from queryqueue.engine.executor import STREAM_HANDLER
@@ -42,6 +43,7 @@ class Request:
     stage_query_key: Any
     request_id: str | None
     span_id: str | None
+    view: bool = False  # answer a ResultView
 
 
 class RequestSide:
@@ -63,9 +65,9 @@ class RequestSide:
             # Cube's RESULT first. Without an external id (read-many, across paths) and
             # for a plain query, ADD's `if_no_result` answers the same question in the
             # same round trip: an unread result comes back as the item to read.
-            found = await conn.get_result(query_key_hash, external_id)
+            found = await conn.get_result(query_key_hash, external_id, view=request.view)
             if found is not None and not (isinstance(found, dict) and found.get("streamResult")):
-                return parse_result(found)
+                return self.answer(found, request.view)
         # Subscribe before anything can dispatch the stream: a handler that starts at once
         # would otherwise emit into no listener.
         stream_waiter = self.queue._subscribe_stream(query_key_hash) if is_stream else None
@@ -77,10 +79,12 @@ class RequestSide:
                 return await self.queue._wait_for_stream(query_key_hash, stream_waiter)
             if flags.get("isJob"):
                 return None
-            result = await conn.get_result_blocking(query_key_hash, added.queue_id, wait)
+            result = await conn.get_result_blocking(
+                query_key_hash, added.queue_id, wait, view=request.view
+            )
             if result is None:
                 raise ContinueWaitError(queue_id=added.queue_id)
-            return parse_result(result)
+            return self.answer(result, request.view)
         except BaseException:
             if waiting is not None:
                 self.queue.events.emit(ev.FINISHED_WAITING, waiting)
@@ -88,6 +92,17 @@ class RequestSide:
         finally:
             if stream_waiter is not None:
                 self.queue._unsubscribe_stream(query_key_hash, stream_waiter)
+
+    def answer(self, outcome: Any, view: bool) -> Any:
+        """A decoded outcome's value (a `ResultView` of it for `view`); an error raises."""
+        release = outcome.pop("$lease", None) if isinstance(outcome, dict) else None
+        try:
+            value = parse_result(outcome, self.queue.codecs)
+        except BaseException:
+            if release is not None:
+                self.queue._spawn(release())
+            raise
+        return ResultView(value, release) if view else value
 
     def _check(self, request: Request) -> None:
         priority = request.priority

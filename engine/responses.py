@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 QueueId = int
 # Items are addressed by path (`prefix:queryKeyHash`) or by their integer queue id.
@@ -97,3 +97,7 @@ class ResultResponse:
     type: ResultStatus
     id: QueueId
     external_id: str | None
+    # Our extension: a binary result still in shared memory, which its reader copies or
+    # views (`await read(view=..., pickle_modules=...)`: the decoded outcome, a view's
+    # lease in "$lease"); `payload` is then its reference. Set by the socket client only.
+    shared: Any = None

@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from queryqueue.driver_sqlite import SqliteQueueStore
+from queryqueue.engine.binary import Pickled, ResultView
+from queryqueue.engine.codec import Codecs
 from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
 from queryqueue.engine.errors import (
     AuthenticationError,
@@ -59,6 +61,7 @@ __version__ = package_version()
 __all__ = [
     "AuthenticationError",
     "CancelHandler",
+    "Codecs",
     "CommandRejectedError",
     "CommandTimeoutError",
     "ContinueWaitError",
@@ -67,6 +70,7 @@ __all__ = [
     "InvalidCommandError",
     "LocalQueueDriver",
     "MemoryQueueStore",
+    "Pickled",
     "PostgresQueueStore",
     "QueryCancelledError",
     "QueryError",
@@ -80,6 +84,7 @@ __all__ = [
     "QueueError",
     "QueueStore",
     "ResultTooLargeError",
+    "ResultView",
     "RetrievedQuery",
     "SchemaVersionError",
     "SetCancelHandler",

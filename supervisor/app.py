@@ -13,14 +13,17 @@ loop) against the same supervisor, and the pool runs the query whatever its prio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
+from queryqueue.engine.binary import DEFAULT_PICKLE_MODULES
+from queryqueue.engine.codec import Codecs
 from queryqueue.engine.driver import QueueDriver
 from queryqueue.engine.handlers import (
     CancelHandler,
@@ -37,9 +40,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class QueueApp:
-    def __init__(self, prefix: str, **queue_options: Any) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        pickle_modules: Collection[str] = DEFAULT_PICKLE_MODULES,
+        **queue_options: Any,
+    ) -> None:
+        """`pickle_modules`: the top-level modules whose classes a `Pickled` result may
+        hold when this app's callers read it; `queue_options`: QueryQueue's."""
         self.prefix = prefix
         self.queue_options = queue_options
+        # Results' types, both ways: workers encode and callers decode with the same ones.
+        self.codecs = Codecs(pickle_modules)
         self.query_handlers: dict[str, QueryHandler] = {}
         self.cancel_handlers: dict[str, CancelHandler] = {}
         self.stream_handler: StreamHandler | None = None
@@ -68,6 +81,18 @@ class QueueApp:
         self.stream_handler = function
         return function
 
+    def codec(
+        self,
+        cls: type,
+        name: str | None = None,
+        *,
+        encode: Callable[[Any], Any] | None = None,
+        decode: Callable[[Any], Any] | None = None,
+    ) -> None:
+        """Results may hold `cls`: `encode` makes JSON of it, `decode` gives it back (a
+        dataclass needs neither). See `engine/codec.py` for what is built in."""
+        self.codecs.register(cls, name, encode=encode, decode=decode)
+
     def make_queue(
         self,
         driver: QueueDriver | QueueStore | None,
@@ -83,6 +108,7 @@ class QueueApp:
             stream_handler=self.stream_handler,
             driver=driver,
             send_process_message_fn=send_process_message_fn,
+            codecs=self.codecs,
             **options,
         )
 
@@ -124,6 +150,27 @@ class QueueApp:
             timeout=timeout,
             request_id=request_id,
         )
+
+    @contextlib.asynccontextmanager
+    async def view(
+        self,
+        query_handler: str,
+        query_key: Any,
+        query: Any,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,  # noqa: ASYNC109 - as run's
+    ) -> AsyncIterator[Any]:
+        """`run`, reading a binary result in place: an Arrow table over the shared memory
+        the worker wrote, valid inside the `async with` (its lease ends on exit, or with the
+        process). A result that was not in shared memory is a private copy."""
+        view = await self.client_queue().run(
+            query_handler, query_key, query, priority=priority, timeout=timeout, view=True
+        )
+        try:
+            yield view.value
+        finally:
+            await view.release()
 
     def run_sync(
         self,

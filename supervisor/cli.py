@@ -204,6 +204,14 @@ def _parser() -> argparse.ArgumentParser:
 
     limits = sup.add_argument_group("what one connection may cost")
     limits.add_argument(
+        "--sql-result-limit",
+        type=int,
+        default=64,
+        metavar="MB",
+        help="a SQL-text (Cube) RESULT of a result in shared memory or binary is answered "
+        "as JSON up to MB megabytes, else refused naming this limit",
+    )
+    limits.add_argument(
         "--connection-high-water",
         type=int,
         default=8,
@@ -398,6 +406,7 @@ def _supervisor(
             high_water=args.connection_high_water * MiB,
             hard_limit=args.connection_hard_limit * MiB,
             max_parked=args.max_long_polls,
+            max_sql_result=args.sql_result_limit * MiB,
         ),
         shm_caps=(args.shm_max_total * MiB, args.shm_max_per_connection * MiB),
         app=args.app,

@@ -18,13 +18,14 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from queryqueue.engine.aio import wait_within
+from queryqueue.engine.binary import BinaryResult, Outcome
 from queryqueue.engine.commands import served
 from queryqueue.engine.errors import (
     AuthenticationError,
@@ -54,7 +55,13 @@ from queryqueue.supervisor.protocol import (
     raise_error,
     read_frame,
 )
-from queryqueue.supervisor.shm import DEFAULT_THRESHOLD, SegmentMaps, parse_reference
+from queryqueue.supervisor.shm import (
+    DEFAULT_THRESHOLD,
+    Reference,
+    SegmentMaps,
+    parse_reference,
+    view_value,
+)
 
 _log = logging.getLogger("queryqueue.client")
 # Room in a frame for an ACK's envelope around its result (id, command, key, quoting).
@@ -62,7 +69,7 @@ _FRAME_OVERHEAD = 4096
 
 COMMANDS = served()
 # Supervisor commands (not the store's) that are safe to send twice.
-_SUPERVISOR_SAFE = {"stats", "ping", "shm_release", "watch"}
+_SUPERVISOR_SAFE = {"stats", "ping", "shm_release", "shm_view", "watch"}
 
 
 class _ConnectionLost(Exception):
@@ -456,8 +463,10 @@ class SocketQueueDriver:
         )
         return answer
 
-    async def ack(self, key: QueueKey, result: str | None) -> AckResponse:
-        if (
+    async def ack(self, key: QueueKey, result: Outcome | None) -> AckResponse:
+        if isinstance(result, BinaryResult):
+            result = await self._share_binary(result)
+        elif (
             result is not None
             and self.shm_threshold is not None
             and len(result) >= self.shm_threshold
@@ -482,11 +491,26 @@ class SocketQueueDriver:
             _log.warning("result of %d bytes goes through the socket: %s", len(data), exc)
             return result
 
+    async def _share_binary(self, result: BinaryResult) -> str:
+        """A binary result written once, in place, into a segment; its inline text where
+        shared memory is off, the result small, or no segment has room."""
+        if self.shm_threshold is None or result.size < self.shm_threshold:
+            return result.inline_text()
+        try:
+            slot = await self.call("shm_alloc", result.size)
+            return self._segments.write_binary(slot, result)
+        except StoreError as exc:
+            _log.warning("result of %d bytes goes through the socket: %s", result.size, exc)
+            return result.inline_text()
+
     async def _read_shared(self, answer: ResultResponse | None) -> ResultResponse | None:
-        """Copy a shared-memory result out of its segment, then release our lease."""
+        """Copy a shared-memory result out of its segment, then release our lease; a
+        binary one is left to its reader (`_SharedRead`), which may view it in place."""
         ref = parse_reference(answer.payload) if answer is not None else None
         if answer is None or ref is None:
             return answer
+        if ref.form != "json":
+            return dataclasses.replace(answer, shared=_SharedRead(self, ref))
         try:
             payload = self._segments.read(ref)
         finally:
@@ -570,3 +594,46 @@ class SocketQueueDriver:
 
     async def truncate(self) -> None:
         await self.call("truncate")
+
+
+@dataclasses.dataclass(eq=False)
+class _SharedRead:
+    """A binary result in shared memory, leased to this connection until it is read: a
+    copy releases the lease at once, a view when its `release` is called."""
+
+    driver: SocketQueueDriver
+    ref: Reference
+
+    async def read(self, *, view: bool, pickle_modules: Collection[str]) -> dict[str, Any]:
+        ref, driver = self.ref, self.driver
+        if not view:
+            try:
+                value = driver._segments.read_value(ref, pickle_modules)
+            finally:
+                await self.release()
+            return {"result": value}
+        try:
+            await driver.call("shm_view", ref.name, ref.generation)
+            value, memory = view_value(ref, pickle_modules)
+        except BaseException:
+            await self.release()
+            raise
+
+        async def release_view() -> None:
+            # Unmapped only if nothing views it any more; else the supervisor never
+            # rewrites the segment (a view used after its release still reads its result).
+            try:
+                memory.close()
+            except BufferError:
+                await self.release(view_closed=False)
+            else:
+                await self.release(view_closed=True)
+
+        return {"result": value, "$lease": release_view}
+
+    async def release(self, view_closed: bool | None = None) -> None:
+        args = [self.ref.name, self.ref.generation]
+        if view_closed is not None:
+            args.append(view_closed)
+        with contextlib.suppress(SupervisorUnavailableError):
+            await self.driver.call("shm_release", *args)

@@ -44,7 +44,7 @@ def outcome_of(result: Any) -> str:
     outcomes (small) are parsed; a result is known by its first bytes."""
     if result is None or not isinstance(result, str) or parse_reference(result) is not None:
         return "ok"
-    if result.startswith('{"result"'):
+    if result.startswith('{"result"') or result.startswith('{"$binary"'):
         return "ok"
     try:
         decoded = orjson.loads(result)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import inspect
 import logging
@@ -37,7 +38,7 @@ from queryqueue.engine.responses import AddAndRetrieveResponse
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
-from queryqueue.supervisor import guard, sqltext
+from queryqueue.supervisor import cube_results, guard, sqltext
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
     DEFAULT_MAX_FRAME,
@@ -118,6 +119,9 @@ class Limits:
     hard_limit: int = 512 * 1024 * 1024
     max_in_flight: int = 4096  # requests read and not yet answered
     max_parked: int = 1024  # RESULT_BLOCKING long polls waiting at once
+    # A SQL-text RESULT of a result a Cube client cannot follow (shared memory, binary)
+    # is materialised as JSON up to this many bytes, else refused naming this limit.
+    max_sql_result: int = cube_results.DEFAULT_SQL_RESULT_LIMIT
 
 
 @dataclass(eq=False)
@@ -547,9 +551,19 @@ class QueueServer:
                 connection.send({"id": request_id, "ok": slot})
                 return None
             if method == "shm_release":
+                if len(args) not in (2, 3):
+                    raise InvalidCommandError(
+                        "shm_release: takes a segment name, its generation and, for a "
+                        "view, whether it is closed"
+                    )
+                closed = args[2] if len(args) == 3 else None
+                self.segments.release(args[0], args[1], connection, closed)
+                connection.send({"id": request_id, "ok": True})
+                return None
+            if method == "shm_view":
                 if len(args) != 2:
-                    raise InvalidCommandError("shm_release: takes a segment name and generation")
-                self.segments.release(args[0], args[1], connection)
+                    raise InvalidCommandError("shm_view: takes a segment name and generation")
+                self.segments.mark_viewed(args[0], args[1], connection)
                 connection.send({"id": request_id, "ok": True})
                 return None
             if method == "dispatch":
@@ -654,6 +668,7 @@ class QueueServer:
             **(await self.store.run_off_loop(self.store.describe)),
             "shared_memory": self.segments.describe(),
             "connections": len(self._connections),
+            "long_polls": sum(len(c.parked) for c in self._connections),
             "pid": os.getpid(),
             "files": _file_sizes(getattr(self.store, "path", None)),
         }
@@ -760,6 +775,9 @@ class QueueServer:
         if ok and request.method == "ack" and len(request.args) == 2:
             self.segments.acked(request.args[1], bool(answer.success))
         elif ok and answer is not None and request.method in ("result", "result_blocking"):
+            if request.rows is not None and cube_results.needs_materialising(answer.payload):
+                self._soon(self._answer_as_json(request, answer))
+                return
             answer = self._lease_result(request, answer)
         if not ok:
             request.connection.send({"id": request.id, "error": error_payload(answer)})
@@ -779,6 +797,33 @@ class QueueServer:
         for connection in self._connections:
             for prefix in connection.watching:
                 connection.send({"id": None, "nudge": prefix})
+
+    async def _answer_as_json(self, request: _Request, answer: Any) -> None:
+        """A SQL-text RESULT of a result a Cube client cannot follow: its JSON text."""
+        limit, payload, rows = self.limits.max_sql_result, answer.payload, request.rows
+        assert rows is not None
+        try:
+            ref = parse_reference(payload)
+            if ref is None:
+                text = await asyncio.to_thread(cube_results.inline_as_json, payload, limit)
+            else:
+                if ref.size > limit:
+                    raise cube_results.too_large(ref.size, limit)
+                owner = object()  # our own read lease, for the copy
+                if not self.segments.lease(payload, owner):
+                    request.connection.send({"id": request.id, "rows": rows(None)})
+                    return
+                try:
+                    _, data = self.segments.copy_out(payload)
+                finally:
+                    self.segments.release(ref.name, ref.generation, owner)
+                text = await asyncio.to_thread(cube_results.as_json, ref.form, data, limit)
+        except QueueError as exc:
+            request.connection.send({"id": request.id, "error": error_payload(exc)})
+            return
+        request.connection.send(
+            {"id": request.id, "rows": rows(dataclasses.replace(answer, payload=text))}
+        )
 
     def _lease_result(self, request: _Request, answer: Any) -> Any:
         """A shared-memory result is readable by this connection until it releases it."""

@@ -1,9 +1,11 @@
 """Large results through shared memory: the worker writes, the store keeps a reference.
 
-A result whose JSON is at least `threshold` bytes does not travel through the socket. The
-worker asks the supervisor for a segment (`shm_alloc`), writes the JSON into it and ACKs
-with a small reference, `{"$shm": name, "gen": g, "size": n}`, which is all the store
-holds. Whoever reads the result gets the reference and copies the bytes out.
+A result of at least `threshold` bytes does not travel through the socket. The worker
+asks the supervisor for a segment (`shm_alloc`), writes the result into it once (its JSON
+as UTF-8, or a binary result as it is: engine/binary.py) and ACKs with a small reference,
+`{"$shm": name, "gen": g, "size": n}` (plus `"form"` for a binary one), which is all the
+store holds. Whoever reads the result gets the reference and copies the bytes out, or
+views a binary one in place (`shm_view`).
 
 The supervisor owns every segment (`SegmentPool`), so a crash of either side never leaks
 one:
@@ -20,10 +22,14 @@ one:
   carries the generation, and marks a delivered one) so they stay readable, and unlinks
   the rest; a graceful stop unlinks every segment.
 
-Segments are reused (power-of-two size classes, pre-touched when created, mapped with
-MAP_POPULATE): a fresh segment per result costs page faults that make it no faster than
-the socket. Every reuse bumps the generation written in the header, and a reader checks
-it before and after its copy, so a stale reference is an error, never wrong data.
+Segments are reused (power-of-two size classes, the last freed first): a new segment
+costs the kernel's zeroing of its pages (posix_fallocate, ~35 ms for 128 MiB) and every
+process's first mapping of it (MAP_POPULATE), a reused one neither, as writers and readers
+keep their mappings. Every reuse bumps the generation written in the header, and a reader
+checks it before and after its copy, so a stale reference is an error, never wrong data.
+A segment viewed in place is never rewritten while a view may remain: a view released
+with nothing referring to it lets its segment be reused; one still referenced, or whose
+reader hung up, leaves it to be unlinked once free (its pages live as long as the view).
 
 `multiprocessing.shared_memory.SharedMemory` registers every attach with a resource
 tracker that unlinks the segment when the *attaching* process exits (Python < 3.13), which
@@ -42,13 +48,14 @@ import secrets
 import struct
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
+from queryqueue.engine.binary import FORMS, BinaryResult, read_binary
 from queryqueue.engine.errors import InvalidCommandError, StoreError
 
 DEFAULT_THRESHOLD = 1024 * 1024
@@ -89,16 +96,17 @@ def name_prefix(socket_path: str | Path) -> str:
     return f"qq{digest}_"
 
 
-def _open(name: str, size: int | None) -> mmap.mmap:
-    """Map segment `name`; create it with `size` bytes when `size` is given."""
+def _open(name: str, size: int | None, *, populate: bool = True) -> mmap.mmap:
+    """Map segment `name`; create it with `size` bytes when `size` is given. `populate`:
+    map every page now (a writer's or reader's mapping: no page faults in its copy)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
     fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
     try:
         if size is not None:
             os.ftruncate(fd, size)
             try:
-                # Reserve the pages now: touching a page tmpfs has no room for kills the
-                # toucher with SIGBUS, and the supervisor pre-touches every new segment.
+                # Make every page now: touching a page tmpfs has no room for kills the
+                # toucher with SIGBUS, and a later write into it costs no allocation.
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 _unlink(name)
@@ -107,9 +115,17 @@ def _open(name: str, size: int | None) -> mmap.mmap:
                     f"{_free_bytes()} bytes free there"
                 ) from None
         length = os.fstat(fd).st_size
-        return mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return mmap.mmap(fd, length, flags=flags)
     finally:
         os.close(fd)
+
+
+def create_segment(name: str, capacity: int) -> mmap.mmap:
+    """A new segment, every page made (callable from any thread)."""
+    memory = _open(name, capacity, populate=False)  # nothing of ours writes it in bulk
+    HEADER.pack_into(memory, 0, MAGIC, 0)  # free: a crash now leaves nothing to adopt
+    return memory
 
 
 def _unlink(name: str) -> None:
@@ -117,22 +133,35 @@ def _unlink(name: str) -> None:
         _posixshmem.shm_unlink("/" + name)
 
 
-def reference(name: str, generation: int, size: int) -> str:
-    return orjson.dumps({"$shm": name, "gen": generation, "size": size}).decode()
+class Reference(NamedTuple):
+    name: str
+    generation: int
+    size: int
+    form: str  # "json": the outcome's text; else a binary result's form (engine/binary.py)
 
 
-def parse_reference(text: Any) -> tuple[str, int, int] | None:
-    """(name, generation, size) when `text` is a shared-memory reference, else None."""
+def reference(name: str, generation: int, size: int, form: str = "json") -> str:
+    shape: dict[str, Any] = {"$shm": name, "gen": generation, "size": size}
+    if form != "json":
+        shape["form"] = form
+    return orjson.dumps(shape).decode()
+
+
+def parse_reference(text: Any) -> Reference | None:
+    """The reference `text` is, or None when it is not one."""
     if not isinstance(text, str) or not text.startswith(REFERENCE_MARK) or len(text) > 512:
         return None
     try:
         data = orjson.loads(text)
         name, generation, size = data["$shm"], data["gen"], data["size"]
-    except (ValueError, KeyError, TypeError):
+        form = data.get("form", "json")
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if not (isinstance(name, str) and isinstance(generation, int) and isinstance(size, int)):
         return None
-    return name, generation, size
+    if form != "json" and form not in FORMS:
+        return None
+    return Reference(name, generation, size, form)
 
 
 # -- the supervisor's side -------------------------------------------------------------------
@@ -148,7 +177,14 @@ class _Segment:
     writer: object | None = None
     stored_at: float = 0.0
     delivered_at: float | None = None  # last delivery or lease end
+    grace: float = 0.0  # how long after `delivered_at`, with no lease left, it is kept
+    freed_at: float = 0.0
     readers: Counter[object] = field(default_factory=Counter)
+    views: Counter[object] = field(default_factory=Counter)  # open views, by reader
+    # A view may outlive its lease (still referenced at its release, or its reader hung
+    # up): the segment is never rewritten, and unlinked once free (the view's mapping
+    # keeps its pages until its reader lets go of it).
+    pinned: bool = False
 
 
 class SegmentPool:
@@ -160,6 +196,7 @@ class SegmentPool:
         *,
         result_ttl: float = 300.0,
         reread_grace: float = 0.5,
+        release_grace: float = 0.0,
         max_free_bytes: int = 256 * 1024 * 1024,
         max_segment: int = 2 * 1024 * 1024 * 1024,
         max_total_bytes: int = DEFAULT_MAX_TOTAL,
@@ -170,7 +207,12 @@ class SegmentPool:
         self.max_total_bytes = max_total_bytes
         self.max_connection_bytes = max_connection_bytes
         self.result_ttl = result_ttl
+        # Kept after the last lease ends, for a read still on its way: a reader that hung
+        # up may reconnect and send its read again (reread_grace); one that released has
+        # its copy (release_grace: none by default, so the next result reuses the segment
+        # whose pages every process has mapped already).
         self.reread_grace = reread_grace
+        self.release_grace = release_grace
         self.max_free_bytes = max_free_bytes
         self.max_segment = max_segment
         self.clock = clock
@@ -199,11 +241,10 @@ class SegmentPool:
                 f"{capacity} more would pass its cap of {self.max_connection_bytes}"
             )
         # The smallest free segment that fits: reused pages are already touched.
-        segment = min(
-            (s for s in self._segments.values() if s.state == "free" and s.capacity >= capacity),
-            key=lambda s: s.capacity,
-            default=None,
-        )
+        segment = self._free_fitting(capacity)
+        if segment is None:
+            self._return_unread()  # one whose grace is over, not yet swept, will do
+            segment = self._free_fitting(capacity)
         if segment is None:
             in_use = sum(s.capacity for s in self._segments.values())
             if in_use + capacity > self.max_total_bytes:
@@ -225,17 +266,14 @@ class SegmentPool:
         return {"name": segment.name, "gen": segment.generation, "capacity": capacity}
 
     def _create(self, capacity: int) -> _Segment:
-        self._serial += 1
-        name = f"{self.prefix}{self._token}{self._serial}"
-        memory = _open(name, capacity)
-        # Pre-touch: the tmpfs pages exist from now on, so every later write into this
-        # segment costs no page faults.
-        zeros = bytes(MIN_SEGMENT)
-        for offset in range(0, capacity, MIN_SEGMENT):
-            memory[offset : offset + MIN_SEGMENT] = zeros
+        memory = create_segment(name := self._new_name(), capacity)
         segment = self._segments[name] = _Segment(name, capacity, memory)
         self.created += 1
         return segment
+
+    def _new_name(self) -> str:
+        self._serial += 1
+        return f"{self.prefix}{self._token}{self._serial}"
 
     def acked(self, result: Any, success: bool) -> None:
         """An ACK carrying a reference committed (`success`) or found no item."""
@@ -257,17 +295,33 @@ class SegmentPool:
             )
 
     def take(self, result: Any) -> str:
-        """The result a reference names, copied out, and its segment back to the pool: for
-        a store other hosts read, which must hold the result itself."""
+        """The result a reference names as the outcome text to store, and its segment back
+        to the pool: for a store other hosts read, which must hold the result itself."""
+        ref, data = self.copy_out(result)
+        segment = self._find(result)
+        if segment is not None:
+            self._free(segment)
+        if ref.form == "json":
+            return str(data, "utf-8")
+        return BinaryResult(ref.form, ref.size, lambda target: _put(target, data)).inline_text()
+
+    def copy_out(self, result: Any) -> tuple[Reference, bytes]:
+        """The bytes a reference names, copied (the supervisor's own read)."""
         segment = self._find(result)
         parsed = parse_reference(result)
         if segment is None or parsed is None:
             raise SharedResultError(f"no shared-memory segment holds {result!r}")
-        size = parsed[2]
-        with memoryview(segment.memory) as whole, whole[HEADER.size : HEADER.size + size] as data:
-            text = str(data, "utf-8")
-        self._free(segment)
-        return text
+        with memoryview(segment.memory) as whole:
+            return parsed, bytes(whole[HEADER.size : HEADER.size + parsed.size])
+
+    def mark_viewed(self, name: Any, generation: Any, reader: object) -> None:
+        """`reader`, holding a lease, reads the segment in place until its release."""
+        segment = self._segments.get(name) if isinstance(name, str) else None
+        if segment is None or segment.generation != generation or not segment.readers[reader]:
+            raise SharedResultError(
+                f"shared-memory result {name}#{generation} is not leased to this connection"
+            )
+        segment.views[reader] += 1
 
     # Readers ------------------------------------------------------------------------------
 
@@ -277,40 +331,43 @@ class SegmentPool:
         if segment is None or segment.state != "stored":
             return False
         segment.readers[reader] += 1
-        segment.delivered_at = self.clock()
+        segment.delivered_at, segment.grace = self.clock(), self.reread_grace
         HEADER.pack_into(segment.memory, 0, MAGIC_READ, segment.generation)
         return True
 
-    def release(self, name: Any, generation: Any, reader: object) -> None:
+    def release(self, name: Any, generation: Any, reader: object, view_closed: Any = None) -> None:
+        """`reader` is done with its read; a view's release says whether the view is
+        gone (`view_closed`: its reader unmapped it) or may still be used."""
         segment = self._segments.get(name) if isinstance(name, str) else None
         if segment is None or segment.generation != generation or not segment.readers[reader]:
             return
+        if view_closed is not None and segment.views[reader]:
+            segment.views[reader] -= 1
+            if not segment.views[reader]:
+                del segment.views[reader]
+            segment.pinned = segment.pinned or view_closed is not True
         segment.readers[reader] -= 1
         if not segment.readers[reader]:
             del segment.readers[reader]
-            segment.delivered_at = self.clock()  # the re-read grace starts now
+            segment.delivered_at = self.clock()  # the grace starts now
+            segment.grace = min(segment.grace, self.release_grace)
 
     def drop_owner(self, owner: object) -> None:
         """`owner`'s connection closed: its write and read leases end."""
-        for segment in self._segments.values():
+        for segment in list(self._segments.values()):
             if segment.state == "writing" and segment.writer is owner:
                 self._free(segment)
             elif segment.readers.pop(owner, None):
-                segment.delivered_at = self.clock()
+                segment.delivered_at, segment.grace = self.clock(), self.reread_grace
+                if segment.views.pop(owner, None):
+                    segment.pinned = True  # it may have hung up alive, its view mapped
 
     # Housekeeping -------------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """Return to the pool what nobody can read any more; trim the pool."""
-        now = self.clock()
-        for segment in self._segments.values():
-            if segment.state != "stored" or segment.readers:
-                continue
-            if segment.delivered_at is not None:
-                if now - segment.delivered_at >= self.reread_grace:
-                    self._free(segment)
-            elif now - segment.stored_at >= self.result_ttl:
-                self._free(segment)
+        """Return to the pool what nobody can read any more; trim the pool. A lease ends
+        with the result TTL too (its segment is then unlinked, never rewritten)."""
+        self._return_unread()
         free = [s for s in self._segments.values() if s.state == "free"]
         excess = sum(s.capacity for s in free) - self.max_free_bytes
         for segment in sorted(free, key=lambda s: s.capacity, reverse=True):
@@ -318,6 +375,34 @@ class SegmentPool:
                 break
             excess -= segment.capacity
             self._destroy(segment)
+
+    def _free_fitting(self, capacity: int) -> _Segment | None:
+        """The smallest free segment that fits, the last freed first: its pages are made,
+        and writers and readers likely still have it mapped."""
+        return min(
+            (s for s in self._segments.values() if s.state == "free" and s.capacity >= capacity),
+            key=lambda s: (s.capacity, -s.freed_at),
+            default=None,
+        )
+
+    def _return_unread(self) -> None:
+        now = self.clock()
+        for segment in list(self._segments.values()):
+            if segment.state != "stored":
+                continue
+            if segment.readers:
+                if (
+                    segment.delivered_at is not None
+                    and now - segment.delivered_at >= self.result_ttl
+                ):
+                    segment.pinned = True  # a reader may still be in it
+                    self._free(segment)
+                continue
+            if segment.delivered_at is not None:
+                if now - segment.delivered_at >= segment.grace:
+                    self._free(segment)
+            elif now - segment.stored_at >= self.result_ttl:
+                self._free(segment)
 
     def trim(self, wanted: int) -> None:
         """Destroy free segments (largest first) until `wanted` more bytes fit the cap."""
@@ -380,6 +465,7 @@ class SegmentPool:
             "free": states["free"],
             "writing": states["writing"],
             "stored": states["stored"],
+            "leased": sum(1 for s in self._segments.values() if s.readers),
             "bytes": sum(s.capacity for s in self._segments.values()),
             "created": self.created,
             "reused": self.reused,
@@ -389,7 +475,7 @@ class SegmentPool:
         parsed = parse_reference(result)
         if parsed is None:
             return None
-        name, generation, size = parsed
+        name, generation, size, _ = parsed
         segment = self._segments.get(name)
         if (
             segment is None
@@ -401,6 +487,10 @@ class SegmentPool:
         return segment
 
     def _free(self, segment: _Segment) -> None:
+        if segment.pinned or segment.views:
+            self._destroy(segment)
+            return
+        segment.freed_at = self.clock()
         segment.state, segment.writer = "free", None
         segment.readers, segment.delivered_at = Counter(), None
         self._generation += 1  # readers of the old content see a different generation
@@ -438,15 +528,21 @@ class SegmentMaps:
 
     def write(self, slot: dict[str, Any], data: bytes) -> str:
         """Write `data` into the segment `shm_alloc` gave; the reference to ACK with."""
+        return self.write_binary(slot, BinaryResult("json", len(data), lambda t: _put(t, data)))
+
+    def write_binary(self, slot: dict[str, Any], result: BinaryResult) -> str:
+        """Write `result` (once, in place) into the segment `shm_alloc` gave; the
+        reference to ACK with."""
         name, generation = slot["name"], slot["gen"]
         memory = self._map(name)
-        if len(data) > len(memory) - HEADER.size or _generation(memory) != generation:
+        if result.size > len(memory) - HEADER.size or _generation(memory) != generation:
             raise SharedResultError(f"shared-memory segment {name} is not ours to write")
-        memory[HEADER.size : HEADER.size + len(data)] = data
-        return reference(name, generation, len(data))
+        with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + result.size] as target:
+            result.write_into(target)
+        return reference(name, generation, result.size, result.form)
 
-    def read(self, ref: tuple[str, int, int]) -> str:
-        name, generation, size = ref
+    def read(self, ref: Reference) -> str:
+        name, generation, size, _ = ref
         memory = self._map(name)
         if _generation(memory) != generation or size > len(memory) - HEADER.size:
             raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
@@ -456,10 +552,39 @@ class SegmentMaps:
             raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
         return text
 
+    def read_value(self, ref: Reference, pickle_modules: Collection[str]) -> Any:
+        """A binary result, copied out of its segment."""
+        memory = self._map(ref.name)
+        if _generation(memory) != ref.generation or ref.size > len(memory) - HEADER.size:
+            raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
+        with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + ref.size] as data:
+            value = read_binary(ref.form, data, pickle_modules=pickle_modules)
+        if _generation(memory) != ref.generation:
+            raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
+        return value
+
     def close(self) -> None:
         for memory in self._maps.values():
             memory.close()
         self._maps.clear()
+
+
+def view_value(ref: Reference, pickle_modules: Collection[str]) -> tuple[Any, mmap.mmap]:
+    """A binary result read in place, and the mapping of its own it is read from (which
+    cannot close while the value, or anything made of it, is still referenced)."""
+    try:
+        memory = _open(ref.name, None)
+    except FileNotFoundError:
+        raise SharedResultError(f"shared-memory segment {ref.name} is gone") from None
+    if _generation(memory) != ref.generation or ref.size > len(memory) - HEADER.size:
+        memory.close()
+        raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
+    data = memoryview(memory)[HEADER.size : HEADER.size + ref.size]
+    return read_binary(ref.form, data, view=True, pickle_modules=pickle_modules), memory
+
+
+def _put(target: memoryview, data: bytes) -> None:
+    target[: len(data)] = data
 
 
 def _generation(memory: mmap.mmap) -> int:

@@ -95,3 +95,37 @@ def test_the_script_prints_the_rows(supervisor: SupervisorProcess) -> None:
         timeout=60,
     )
     assert failed.returncode == 1 and "no such table: nowhere" in failed.stderr
+
+
+def test_the_duckdb_example_answers_arrow_that_becomes_pandas_and_polars() -> None:
+    directory = socket_dir()
+    process = launch(
+        directory / "duck.db",
+        directory / "s.sock",
+        "--app",
+        "duckdb_app:app",
+        "--workers",
+        "1",
+        cwd=EXAMPLES,
+    )
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["QUERYQUEUE_SOCKET"] = str(process.socket_path)
+        ran = subprocess.run(
+            [sys.executable, "duckdb_caller.py", "300000"],
+            cwd=EXAMPLES,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        assert process.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    total = sum(i * 0.5 for i in range(300_000))
+    assert ran.stdout.splitlines() == [
+        f"pandas 300000 {total}",
+        "polars 300000 299999",
+        "typed price=Decimal:12.50 day=date:2026-12-01 at=datetime:2026-12-01 09:30:00+00:00",
+    ]

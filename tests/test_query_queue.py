@@ -32,6 +32,7 @@ from queryqueue import (
     SyncQueryQueue,
 )
 from queryqueue.engine import events as ev
+from queryqueue.engine.binary import Outcome
 from queryqueue.engine.clock import ManualClock
 from queryqueue.engine.responses import ListResponse
 from tests.supervisor_util import SupervisorProcess, socket_dir, start_supervisor
@@ -938,7 +939,7 @@ class _FlakyAcks(LocalQueueDriver):
         super().__init__(store)
         self.failures = failures
 
-    async def ack(self, key: Any, result: str | None) -> Any:
+    async def ack(self, key: Any, result: Outcome | None) -> Any:
         if self.failures:
             self.failures -= 1
             raise StoreError("the queue database went away")

@@ -1,0 +1,64 @@
+"""Results as a Cube client reads them: JSON text, whatever the worker wrote.
+
+The SQL-text interface (Cube's own clients) answers RESULT with the outcome's JSON text.
+A result in shared memory, or a binary one (bytes, Arrow) stored inline, is something a
+Cube client cannot follow, so it is materialised here: JSON as it is, bytes as base64, an
+Arrow table as its rows, all through the result codec (dates as ISO text, decimals as
+strings). A result whose JSON would pass `limit` bytes is refused with an error naming
+the limit, never cut; a pickled object (Python's own form) is refused as unreadable.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import orjson
+
+from queryqueue.engine.binary import INLINE_MARK, read_binary
+from queryqueue.engine.codec import Codecs
+from queryqueue.engine.errors import InvalidCommandError, ResultTooLargeError
+
+DEFAULT_SQL_RESULT_LIMIT = 64 * 1024 * 1024
+
+
+def needs_materialising(payload: str | None) -> bool:
+    return payload is not None and (
+        payload.startswith('{"$shm":') or payload.startswith(INLINE_MARK)
+    )
+
+
+def too_large(size: int, limit: int) -> ResultTooLargeError:
+    return ResultTooLargeError(
+        f"this result is {size} bytes, over the SQL-text interface's limit of {limit} bytes "
+        "(--sql-result-limit): read it with a Python client, which takes it through "
+        "shared memory"
+    )
+
+
+def as_json(form: str, data: bytes, limit: int) -> str:
+    """The outcome text of a result of `form` ("json", or a binary form) held in `data`."""
+    if len(data) > limit:
+        raise too_large(len(data), limit)
+    if form == "json":
+        return str(data, "utf-8")
+    if form == "pickle":
+        raise InvalidCommandError(
+            "this result is a pickled Python object, which a Cube client cannot read: read "
+            "it with a Python client"
+        )
+    value = read_binary(form, memoryview(data))
+    if form == "arrow":
+        value = value.to_pylist()
+    text = Codecs().encode_result(value)
+    if len(text) > limit:
+        raise too_large(len(text), limit)
+    return text
+
+
+def inline_as_json(payload: str, limit: int) -> str:
+    """`{"$binary": form, "data": base64}` as a Cube client reads it."""
+    decoded = orjson.loads(payload)
+    form, data = decoded.get("$binary"), decoded.get("data")
+    if not isinstance(form, str) or not isinstance(data, str):
+        raise InvalidCommandError("a binary result's outcome is malformed")
+    return as_json(form, base64.b64decode(data), limit)
