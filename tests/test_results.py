@@ -294,6 +294,19 @@ async def test_a_view_nothing_refers_to_at_its_release_leaves_its_segment_for_re
         await reader.close()
 
 
+async def test_a_store_other_hosts_read_keeps_a_binary_result_itself(
+    server: QueueServer,
+) -> None:
+    server.store.shared = True  # as PostgreSQL is: no host may be left holding a reference
+    table = arrow_table(100_000)
+    queue_id = await _acked(server, table)
+    stored = server.store.result(queue_id)
+    assert stored is not None and stored.payload is not None
+    assert ref_of(stored.payload) is None, "the result itself, not a reference"
+    assert parse_result(orjson.loads(stored.payload), Codecs()).equals(table)
+    assert server.segments.describe()["stored"] == 0
+
+
 async def test_a_cube_client_reads_an_arrow_result_as_json_rows(server: QueueServer) -> None:
     table = arrow_table(100_000)
     for threshold in (1024, None):  # in shared memory, and stored inline
