@@ -56,10 +56,11 @@ class Retrieved:
 def decode_def(response: QueryDefResponse | None) -> QueryDef | None:
     if response is None:
         return None
-    return _merge(response.payload, response.extra)
+    return decode_query(response.payload, response.extra)
 
 
-def _merge(payload: str, extra: str | None) -> QueryDef:
+def decode_query(payload: str, extra: str | None) -> QueryDef:
+    """A stored item's query definition: its payload, with its extra merged in."""
     query: QueryDef = orjson.loads(payload)
     if extra is not None:
         decoded = orjson.loads(extra)
@@ -170,7 +171,7 @@ class QueueConnection:
                 queue_id=both.id,
                 queue_size=both.pending,
                 added_to_queue_time=query_def["addedToQueueTime"],
-                retrieved=None if both.payload is None else _merge(both.payload, both.extra),
+                retrieved=None if both.payload is None else decode_query(both.payload, both.extra),
                 active_keys=_keys(both.active),
                 dispatched=both.dispatched,
             )
@@ -245,7 +246,7 @@ class QueueConnection:
             queue_id=got.id,
             active_keys=_keys(got.active),
             queue_size=got.pending,
-            query=_merge(got.payload, got.extra),
+            query=decode_query(got.payload, got.extra),
         )
 
     async def free_processing_lock(self, query_key_hash: str, queue_id: QueueId | None) -> None:
@@ -268,7 +269,7 @@ class QueueConnection:
         if not only_keys:
             for row in rows:
                 if row.payload is not None:
-                    defs[row.id] = _merge(row.payload, row.extra)
+                    defs[row.id] = decode_query(row.payload, row.extra)
         return active, to_process, defs
 
     async def update_heartbeat(self, query_key_hash: str, queue_id: QueueId | None) -> bool:

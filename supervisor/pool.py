@@ -66,6 +66,7 @@ class _Job:
     priority: int = 0
     added_ms: float | None = None  # addedToQueueTime: epoch ms it was queued
     sent_ms: float | None = None  # epoch ms it went to a worker
+    acked: bool = False  # its outcome is stored: its worker is all but free
 
 
 @dataclass(eq=False)
@@ -73,6 +74,9 @@ class _Worker:
     process: Any
     conn: Any  # the supervisor's end of the worker's pipe
     job: _Job | None = None
+    # Sent ahead, once `job` was acknowledged: it waits in the pipe while the worker says
+    # "done", so the worker starts it without a round trip.
+    next: _Job | None = None
     executed: int = 0
     watchers: list[int] = field(default_factory=list)
     retiring: bool = False  # asked to exit after max_tasks_per_worker
@@ -118,6 +122,7 @@ class WorkerPool:
         self.max_memory_per_worker = max_memory_per_worker
         self.terminated = 0
         self.recycled = 0
+        self.sent_ahead = 0  # queries sent to a worker before it said "done"
         self.handed_off = 0
         self._context = context or multiprocess.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -176,6 +181,10 @@ class WorkerPool:
         self._workers.clear()
 
     @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
     def prefix(self) -> str | None:
         """The prefix of the app whose queries this pool runs (known once started)."""
         return self.queue.prefix if self.queue is not None else None
@@ -183,7 +192,8 @@ class WorkerPool:
     @property
     def held(self) -> int:
         """Items handed to this pool and not finished: waiting or running."""
-        return len(self._backlog) + sum(1 for w in self._workers if w.job is not None)
+        running = sum((w.job is not None) + (w.next is not None) for w in self._workers)
+        return len(self._backlog) + running
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
@@ -197,6 +207,7 @@ class WorkerPool:
             "workers": [self._describe_worker(w) for w in self._workers],
             "backlog": len(self._backlog),
             "handed_off": self.handed_off,
+            "sent_ahead": self.sent_ahead,
             "replaced": self.replaced,
             "terminated": self.terminated,
             "recycled": self.recycled,
@@ -357,9 +368,18 @@ class WorkerPool:
             if key in (job.queue_id, job.path):
                 return job
         for worker in self._workers:
-            if worker.job is not None and key in (worker.job.queue_id, worker.job.path):
-                return worker.job
+            for held in (worker.job, worker.next):
+                if held is not None and key in (held.queue_id, held.path):
+                    return held
         return None
+
+    def acked(self, key: QueueKey) -> None:
+        """An ACK by `key` committed: a worker whose job that is may be sent its next."""
+        for worker in self._workers:
+            if worker.job is not None and key in (worker.job.queue_id, worker.job.path):
+                worker.job.acked = True
+                self._assign()
+                return
 
     def removed(self, key: QueueKey) -> None:
         """The item was cancelled: a worker running it hears of it now (its cancel handler
@@ -368,30 +388,42 @@ class WorkerPool:
             if key in (job.queue_id, job.path):
                 self._backlog.remove(job)
         for worker in self._workers:
-            held = worker.job
-            if held is not None and key in (held.queue_id, held.path):
-                with contextlib.suppress(OSError, ValueError):
-                    worker.conn.send_bytes(_CANCEL + orjson.dumps(held.queue_id))
+            for held in (worker.job, worker.next):
+                if held is not None and key in (held.queue_id, held.path):
+                    # One sent ahead and not started is skipped by its worker.
+                    with contextlib.suppress(OSError, ValueError):
+                        worker.conn.send_bytes(_CANCEL + orjson.dumps(held.queue_id))
 
     def _assign(self) -> None:
-        for worker in self._workers:
-            if not self._backlog:
-                return
-            if (
-                worker.job is None
-                and worker.draining_since is None
-                and not worker.retiring
-                and worker.process.is_alive()
-            ):
+        # Idle workers first; then one finishing (its job acknowledged) is sent its next.
+        for ahead in (False, True):
+            for worker in self._workers:
+                if not self._backlog:
+                    return
+                if not self._takes(worker, ahead):
+                    continue
                 job = self._backlog.popleft()
-                worker.job = job
-                job.started_at = asyncio.get_running_loop().time()
+                if ahead:
+                    worker.next = job
+                    self.sent_ahead += 1
+                else:
+                    worker.job = job
+                    job.started_at = asyncio.get_running_loop().time()
                 job.sent_ms = time.time() * 1000
                 try:
                     worker.conn.send_bytes(job.blob)
                 except (OSError, ValueError):
                     self._backlog.appendleft(job)  # the worker died: its exit handler runs next
-                    worker.job = None
+                    worker.job = None if not ahead else worker.job
+                    worker.next = None
+
+    @staticmethod
+    def _takes(worker: _Worker, ahead: bool) -> bool:
+        if worker.draining_since is not None or worker.retiring or not worker.process.is_alive():
+            return False
+        if not ahead:
+            return worker.job is None
+        return worker.job is not None and worker.job.acked and worker.next is None
 
     def _on_message(self, worker: _Worker) -> None:
         try:
@@ -414,7 +446,9 @@ class WorkerPool:
         if message == b"done":
             if worker.job is not None:
                 self._deaths.pop(worker.job.path, None)  # it ran to its end
-            worker.job = None
+            worker.job, worker.next = worker.next, None
+            if worker.job is not None:
+                worker.job.started_at = asyncio.get_running_loop().time()
             worker.draining_since = None
             worker.executed += 1
             if (
@@ -448,8 +482,12 @@ class WorkerPool:
         worker.process.join(0)
         with contextlib.suppress(OSError):
             worker.conn.close()
-        if worker.job is not None:
+        if worker.job is not None and not worker.job.acked:  # an acknowledged one is done
             self._reclaim(worker.job, worker.process.exitcode)
+        if worker.next is not None:  # never started: back to the queue, run again
+            task = asyncio.ensure_future(self._give_back(worker.next))
+            self._cancelling.add(task)
+            task.add_done_callback(self._cancelling.discard)
         if not self._stopping:
             if worker.retiring:
                 self.recycled += 1
@@ -559,7 +597,7 @@ class WorkerPool:
                 job.abandoned = True
                 self.terminated += 1
                 worker.process.kill()  # its exit handler replaces it
-        for job in list(self._backlog):
+        for job in [*self._backlog, *(w.next for w in self._workers if w.next is not None)]:
             await self._heartbeat(job.queue_id)
 
     async def _overdue(self, worker: _Worker, loop_time: float) -> bool:
@@ -671,6 +709,7 @@ async def _worker_loop(
     queue = app.pool_queue(driver)
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue[bytes] = asyncio.Queue()
+    unstarted_cancels: set[int] = set()
 
     def gone() -> None:
         # Read once: an fd at EOF stays readable, and a reader left on it spins the loop.
@@ -685,7 +724,9 @@ async def _worker_loop(
             gone()
             return
         if message.startswith(_CANCEL):
-            queue.cancel_execution(orjson.loads(message[1:]))
+            queue_id = orjson.loads(message[1:])
+            if not queue.cancel_execution(queue_id):
+                unstarted_cancels.add(queue_id)  # sent ahead and cancelled: never start it
         else:
             arrived.put_nowait(message)
 
@@ -698,7 +739,12 @@ async def _worker_loop(
             blob = await arrived.get()
             if not blob:
                 break
-            reported = await queue.execute_query(decode_retrieved(blob[1:]))
+            retrieved = decode_retrieved(blob[1:])
+            if retrieved.queue_id in unstarted_cancels:
+                unstarted_cancels.discard(retrieved.queue_id)
+                conn.send_bytes(b"done")
+                continue
+            reported = await queue.execute_query(retrieved)
             with contextlib.suppress(OSError, ValueError):
                 if queue.handler_threads:
                     # A cancelled or timed-out sync handler is still running: take no more

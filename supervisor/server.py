@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from queryqueue.engine.commands import served
-from queryqueue.engine.connection import decode_def
+from queryqueue.engine.connection import decode_def, decode_query
 from queryqueue.engine.errors import (
     AuthenticationError,
     InvalidCommandError,
@@ -328,6 +328,10 @@ class QueueServer:
         while True:
             await asyncio.sleep(min(0.5, self.purge_interval))
             self.segments.sweep()
+            if self.pool is not None:
+                # Batches retrieve for the pool themselves; its reconcile (stalled and
+                # orphaned items, anything a batch could not take) still runs this often.
+                self.pool.poke()
             if time.monotonic() - purged_at >= self.purge_interval:
                 purged_at = time.monotonic()
                 # ACKs purge as they go; this keeps an idle queue from holding its dead.
@@ -687,12 +691,26 @@ class QueueServer:
                     self._lanes_busy.add(task)
                     task.add_done_callback(self._lanes_busy.discard)
             else:
-                self._answer_batch(batch, self._execute(batch))
+                answers, for_pool = self._execute_here(batch)
+                self._note_acks(batch, answers)
+                self._hand_to_pool(for_pool)
+                self._answer_batch(batch, answers, poke=not for_pool)
             # Let connections read what arrived meanwhile: the next batch groups it.
             await asyncio.sleep(0)
 
     async def _execute_off_loop(self, batch: list[_Request], route: str | None) -> None:
-        self._answer_batch(batch, await self.store.run_off_loop(self._execute, batch, route=route))
+        answers = await self.store.run_off_loop(self._execute, batch, route=route)
+        self._note_acks(batch, answers)
+        self._answer_batch(batch, answers)
+
+    def _note_acks(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> None:
+        """The pool hears of its workers' ACKs as they commit: a worker finishing one is
+        sent its next query before it says "done"."""
+        if self.pool is None:
+            return
+        for request, (ok, answer) in zip(batch, answers, strict=True):
+            if ok and request.method == "ack" and request.args and answer.success:
+                self.pool.acked(request.args[0])
 
     def _run_batch(self) -> None:
         """Run what has arrived, here and now (at shutdown)."""
@@ -716,6 +734,73 @@ class QueueServer:
                     request.refused = exc
         return batch
 
+    def _execute_here(
+        self, batch: list[_Request]
+    ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
+        """`_execute` on the loop, and in the same transaction, when the batch freed a
+        slot or added work, the pool's retrieval: what its reconcile would retrieve next,
+        handed to its workers as soon as the batch commits (None: not tried)."""
+        answers: list[tuple[bool, Any]] = []
+        for_pool: list[RetrievedQuery] | None = None
+        try:
+            with self.store.batch():
+                for request in batch:
+                    answers.append(self._run(request))
+                if self._pool_may_retrieve(batch, answers):
+                    for_pool = self._retrieve_for_pool()
+        except StoreError as exc:
+            return [(False, exc)] * len(batch), None
+        return answers, for_pool
+
+    def _pool_may_retrieve(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> bool:
+        if self.pool is None or self.pool.queue is None or self._stopping or self.pool.stopping:
+            return False
+        # An ADD alone changes nothing while the pool holds its budget (the store counts at
+        # least as many active): as `WorkerPool.poke(freed=False)` says.
+        full = self.pool.held >= self.pool.queue.concurrency
+        for request, (ok, _) in zip(batch, answers, strict=True):
+            command = COMMANDS.get(request.method)
+            if ok and command is not None and (command.frees_slot or (command.adds and not full)):
+                return True
+        return False
+
+    def _retrieve_for_pool(self) -> list[RetrievedQuery]:
+        """The pool queue's reconcile, in the batch: ACTIVE, PENDING, RETRIEVE per slot,
+        with its process id, its concurrency and the design's rule on persistent keys."""
+        assert self.pool is not None and self.pool.queue is not None
+        queue = self.pool.queue
+        prefix, uid, concurrency = queue.prefix, queue.process_uid, queue.concurrency
+        found: list[RetrievedQuery] = []
+        try:
+            free = concurrency - len(self.store.active(prefix, process_id=uid))
+            if free <= 0:
+                return found
+            for row in self.store.pending(prefix, process_id=uid, limit=free):
+                if "@" in row.id and not row.id.endswith(f"@{uid}"):
+                    continue
+                got = self.store.retrieve(
+                    f"{prefix}:{row.id}", concurrency=concurrency, extended=True, process_id=uid
+                )
+                if got is None or got.payload is None or got.id is None:
+                    continue
+                if row.id not in (got.active or "").split(","):
+                    continue
+                query = decode_query(got.payload, got.extra)
+                found.append(RetrievedQuery(row.id, got.id, got.id, got.pending, query))
+        except QueueError as exc:  # what was retrieved stands; the reconcile does the rest
+            _log.warning("retrieving for the pool in the batch failed: %s", exc)
+        return found
+
+    def _hand_to_pool(self, retrieved: list[RetrievedQuery] | None) -> None:
+        if not retrieved or self.pool is None:
+            return
+        for item in retrieved:
+            try:
+                self.pool.submit(self.pool.prefix or "", item)
+            except RuntimeError:  # stopping since: the stalled path reclaims it
+                self.pool.poke()
+                return
+
     def _execute(self, batch: list[_Request]) -> list[tuple[bool, Any]]:
         """The store's part of a batch: one transaction, a savepoint per command."""
         answers: list[tuple[bool, Any]] = []
@@ -728,7 +813,11 @@ class QueueServer:
             answers = [(False, exc)] * len(batch)
         return answers
 
-    def _answer_batch(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> None:
+    def _answer_batch(
+        self, batch: list[_Request], answers: list[tuple[bool, Any]], *, poke: bool = True
+    ) -> None:
+        """`poke`: tell the pool to reconcile after what changed (False: the batch did
+        the pool's retrieval itself)."""
         self.stats.batches += 1
         self.stats.batched_commands += len(batch)
         now = time.monotonic()
@@ -740,7 +829,7 @@ class QueueServer:
             if metrics is not None:
                 self._measure(metrics, request, ok, answer, now - request.received)
             request.connection.in_flight -= 1
-            self._answer(request, ok, answer)
+            self._answer(request, ok, answer, poke)
 
     def _measure(self, metrics: Any, request: _Request, ok: bool, answer: Any, took: float) -> None:
         if not ok:
@@ -764,10 +853,11 @@ class QueueServer:
         except Exception as exc:  # a bug must not take the server down with it
             return False, StoreError(f"{request.method} failed: {exc!r}")
 
-    def _answer(self, request: _Request, ok: bool, answer: Any) -> None:
+    def _answer(self, request: _Request, ok: bool, answer: Any, poke: bool = True) -> None:
         command = COMMANDS.get(request.method)
         if ok and command is not None and (command.adds or command.frees_slot) and self.pool:
-            self.pool.poke(freed=command.frees_slot)
+            if poke:
+                self.pool.poke(freed=command.frees_slot)
             if request.method == "cancel" and answer is not None and request.args:
                 self.pool.removed(request.args[0])  # its worker hears of it now
         if ok and request.dispatch and answer.payload is not None:

@@ -201,3 +201,62 @@ async def test_failed_spawns_are_retried_and_the_pool_says_it_is_short(
             await pool.stop(grace=0)
     assert "worker spawn failed (OSError: [Errno 24] Too many open files)" in caplog.text
     assert "the pool has 0 of 2 workers" in caplog.text
+
+
+async def test_a_worker_killed_holding_a_query_sent_ahead_loses_nothing(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a worker's ACK commits, its next query is sent before it says "done". Here its
+    "done" is held back (the supervisor stops reading that worker), so the query sent ahead
+    is still the pool's `next` when the worker is killed: it goes back to the queue and
+    runs elsewhere, and the finished one is not reclaimed."""
+    from queryqueue.supervisor.server import QueueServer
+    from tests.apps.pool_app import app as pool_app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = MemoryQueueStore()
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
+    server = QueueServer(store, workdir / "s.sock", pool=pool)
+    frozen: list[Any] = []
+    reading = pool._on_message
+
+    def on_message(worker: Any) -> None:
+        if not frozen and worker.job is not None and worker.job.acked and worker.next:
+            asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+            frozen.append((worker, worker.next.path))
+            return
+        reading(worker)
+
+    monkeypatch.setattr(pool, "_on_message", on_message)
+    await server.start()
+    driver = SocketQueueDriver(server.socket_path)
+    queue = pool_app.pool_queue(driver)
+    try:
+        await pool.start()
+        asks = [
+            asyncio.ensure_future(queue.run("sql", key, {"key": key, "seconds": seconds}))
+            for key, seconds in (("fast0", 0.05), ("fast1", 0.05))
+        ]
+        await wait_until(lambda: len(_starts(workdir, "fast1")) == 1, within=30)
+        asks += [
+            asyncio.ensure_future(queue.run("sql", key, {"key": key, "seconds": 3.0}))
+            for key in ("slow2", "slow3")
+        ]
+        await wait_until(lambda: frozen, within=30, what="a worker holding a query sent ahead")
+        worker, ahead = frozen[0]
+        killed = worker.process.pid
+        os.kill(killed, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*asks), timeout=60)
+        assert [r["key"] for r in results] == ["fast0", "fast1", "slow2", "slow3"]
+        paths = {f"{queue.prefix}:{queue.hash_query_key(r['key'])}": r for r in results}
+        sent_ahead = paths[ahead]
+        assert sent_ahead["key"].startswith("slow")
+        assert sent_ahead["pid"] != killed, "it ran again, in a live worker"
+        described = pool.describe()
+        assert described["replaced"] == 1 and described["sent_ahead"] >= 1
+        assert described["reclaimed"] == 0, "the acknowledged query was done, not lost"
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+        await pool.stop(grace=0)
+        await server.stop()
