@@ -71,7 +71,7 @@ async def _produce(
     from queryqueue.engine.errors import ContinueWaitError
     from queryqueue.supervisor.client import SocketQueueDriver
 
-    driver = SocketQueueDriver(socket_path)
+    driver = SocketQueueDriver(socket_path, decode_in_place=True)  # as QueueApp's own
     queue = app.pool_queue(driver)
     await driver.call("ping")  # connected before the clock starts
     ready.put(1)

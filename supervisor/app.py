@@ -127,7 +127,7 @@ class QueueApp:
         loop = asyncio.get_running_loop()
         queue = queues.get(loop)
         if queue is None:
-            queue = queues[loop] = self.pool_queue(SocketQueueDriver(self.socket_path))
+            queue = queues[loop] = self.pool_queue(self._driver())
         return queue
 
     async def run(
@@ -198,9 +198,12 @@ class QueueApp:
         queue = self._sync_queues.get(os.getpid())
         if queue is None:
             queue = self._sync_queues[os.getpid()] = SyncQueryQueue(
-                make=lambda: self.pool_queue(SocketQueueDriver(self.socket_path))
+                make=lambda: self.pool_queue(self._driver())
             )
         return queue
+
+    def _driver(self) -> SocketQueueDriver:
+        return SocketQueueDriver(self.socket_path, decode_in_place=True)
 
     async def cancel(self, query_key: Any) -> bool:
         """Cancel the query of this key: its waiters get `QueryCancelledError`, the worker

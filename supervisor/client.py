@@ -168,13 +168,20 @@ class SocketQueueDriver:
         max_frame: int = DEFAULT_MAX_FRAME,
         shm_threshold: int | None = DEFAULT_THRESHOLD,
         auth_token: str | None = None,
+        decode_in_place: bool = False,
     ) -> None:
         """`socket_path` is a Unix socket's path, or `tcp://127.0.0.1:PORT` with the
         supervisor's `auth_token` (its --auth-token-file holds it).
 
         `shm_threshold`: results (ACKs) of at least this many bytes of JSON go through
-        shared memory (None: never). Reading one works whatever this is."""
+        shared memory (None: never). Reading one works whatever this is.
+
+        `decode_in_place`: a JSON result in shared memory is left to its reader as a
+        binary one is (`ResultResponse.shared`), which parses it straight out of the
+        segment: no text is made of it. A QueryQueue reads that way; by default `payload`
+        is the result's text, as every driver's is."""
         self.shm_threshold = shm_threshold
+        self.decode_in_place = decode_in_place
         self.auth_token = auth_token
         self._segments = SegmentMaps()
         self.socket_path = Path(socket_path) if socket_path is not None else default_socket_path()
@@ -509,7 +516,7 @@ class SocketQueueDriver:
         ref = parse_reference(answer.payload) if answer is not None else None
         if answer is None or ref is None:
             return answer
-        if ref.form != "json":
+        if ref.form != "json" or self.decode_in_place:
             return dataclasses.replace(answer, shared=_SharedRead(self, ref))
         try:
             payload = self._segments.read(ref)
@@ -606,6 +613,12 @@ class _SharedRead:
 
     async def read(self, *, view: bool, pickle_modules: Collection[str]) -> dict[str, Any]:
         ref, driver = self.ref, self.driver
+        if ref.form == "json":  # a copy whatever `view` says: its values are Python's
+            try:
+                outcome: dict[str, Any] = driver._segments.read_json(ref)
+            finally:
+                await self.release()
+            return outcome
         if not view:
             try:
                 value = driver._segments.read_value(ref, pickle_modules)

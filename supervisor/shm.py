@@ -552,6 +552,17 @@ class SegmentMaps:
             raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
         return text
 
+    def read_json(self, ref: Reference) -> Any:
+        """A JSON result, parsed straight out of its segment."""
+        memory = self._map(ref.name)
+        if _generation(memory) != ref.generation or ref.size > len(memory) - HEADER.size:
+            raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
+        with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + ref.size] as data:
+            value = orjson.loads(data)
+        if _generation(memory) != ref.generation:
+            raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
+        return value
+
     def read_value(self, ref: Reference, pickle_modules: Collection[str]) -> Any:
         """A binary result, copied out of its segment."""
         memory = self._map(ref.name)

@@ -37,7 +37,7 @@ from queryqueue.supervisor.shm import (
     view_value,
 )
 from queryqueue.supervisor.shm import parse_reference as ref_of
-from tests.apps.results_app import Money, arrow_table, typed_rows
+from tests.apps.results_app import Money, arrow_table, many_rows, typed_rows
 from tests.supervisor_util import REPO, SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until
 
@@ -370,6 +370,8 @@ async def test_typed_values_and_binary_results_round_trip_through_the_pool(app: 
     for rows in (10, 100_000):  # inline, and through shared memory
         table = await app.run("arrow", f"arrow{rows}", {"key": rows, "rows": rows})
         assert table.equals(arrow_table(rows))
+    rows = await app.run("many", "many", {"n": 20_000})  # JSON parsed out of its segment
+    assert rows == many_rows(20_000) and isinstance(rows[5]["price"], Decimal)
     raw = await app.run("bytes", "bytes", {"size": 4 * MiB})
     assert raw == bytes(range(256)) * (4 * MiB // 256)
     pickled = await app.run("pickled", "pickled", {"n": 1_000_000})

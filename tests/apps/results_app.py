@@ -66,6 +66,15 @@ def typed(query: Any, set_cancel_handler: Any) -> Any:
     return typed_rows()
 
 
+def many_rows(n: int) -> list[dict[str, Any]]:
+    return [{"id": i, "price": Decimal(i) / 100, "text": "x" * 100} for i in range(n)]
+
+
+@app.handler("many")
+def many(query: Any, set_cancel_handler: Any) -> Any:
+    return many_rows(query["n"])  # megabytes of JSON: through shared memory
+
+
 @app.handler("opaque")
 def opaque(query: Any, set_cancel_handler: Any) -> Any:
     return {"fine": 1, "rows": [{"bad": Opaque()}]}
