@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +9,8 @@ import pytest
 
 from queryqueue import MemoryQueueStore, QueueStore, SqliteQueueStore
 from queryqueue.engine.clock import ManualClock
+from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.shm import SHM_DIR
 from tests.postgres_util import postgres_store
 from tests.supervisor_util import socket_dir
 
@@ -23,6 +25,20 @@ def workdir() -> Iterator[Path]:
     directory = socket_dir()
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+async def server(workdir: Path) -> AsyncIterator[QueueServer]:
+    """A supervisor's server in this process, on a memory store, with no re-read grace;
+    it must leave no shared-memory segment behind."""
+    server = QueueServer(MemoryQueueStore(), workdir / "s.sock")
+    server.segments.reread_grace = 0.0
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+    assert list(SHM_DIR.glob(server.segments.prefix + "*")) == []
 
 
 @pytest.fixture

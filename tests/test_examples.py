@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,27 +74,20 @@ def test_the_django_view_waits_with_run_sync(examples: Any) -> None:
     assert response.content == b'{"sum": 42, "count": 3}'
 
 
-def test_the_script_prints_the_rows(supervisor: SupervisorProcess) -> None:
+def _run_example(socket_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """An example script as a user runs it: from examples/, beside that supervisor."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["QUERYQUEUE_SOCKET"] = str(supervisor.socket_path)
-    ran = subprocess.run(
-        [sys.executable, "script.py", "SELECT 6 * 7, 'answer'"],
-        cwd=EXAMPLES,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    env["QUERYQUEUE_SOCKET"] = str(socket_path)
+    return subprocess.run(
+        [sys.executable, *argv], cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=120
     )
+
+
+def test_the_script_prints_the_rows(supervisor: SupervisorProcess) -> None:
+    ran = _run_example(supervisor.socket_path, "script.py", "SELECT 6 * 7, 'answer'")
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert ran.stdout == "42\tanswer\n"
-    failed = subprocess.run(
-        [sys.executable, "script.py", "SELECT nonsense FROM nowhere"],
-        cwd=EXAMPLES,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    failed = _run_example(supervisor.socket_path, "script.py", "SELECT nonsense FROM nowhere")
     assert failed.returncode == 1 and "no such table: nowhere" in failed.stderr
 
 
@@ -109,16 +103,7 @@ def test_the_duckdb_example_answers_arrow_that_becomes_pandas_and_polars() -> No
         cwd=EXAMPLES,
     )
     try:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env["QUERYQUEUE_SOCKET"] = str(process.socket_path)
-        ran = subprocess.run(
-            [sys.executable, "duckdb_caller.py", "300000"],
-            cwd=EXAMPLES,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        ran = _run_example(process.socket_path, "duckdb_caller.py", "300000")
     finally:
         assert process.stop() == 0
         shutil.rmtree(directory, ignore_errors=True)

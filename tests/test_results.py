@@ -24,7 +24,7 @@ import orjson
 import pyarrow as pa
 import pytest
 
-from queryqueue import Codecs, MemoryQueueStore, Pickled, QueryError, SocketQueueDriver
+from queryqueue import Codecs, Pickled, QueryError, SocketQueueDriver
 from queryqueue.engine.binary import DEFAULT_PICKLE_MODULES, binary_of, read_binary
 from queryqueue.engine.outcome import parse_result
 from queryqueue.supervisor.protocol import encode_frame, read_frame
@@ -211,18 +211,6 @@ def test_a_lease_ends_with_the_result_ttl_and_its_segment_is_never_rewritten(
 
 
 # -- through a server: views, and Cube clients --------------------------------------------
-
-
-@pytest.fixture
-async def server(workdir: Path) -> AsyncIterator[QueueServer]:
-    server = QueueServer(MemoryQueueStore(), workdir / "s.sock")
-    server.segments.reread_grace = 0.0
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-    assert list(SHM_DIR.glob(server.segments.prefix + "*")) == []
 
 
 async def _acked(server: QueueServer, value: Any, threshold: int | None = 1024) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -177,18 +177,6 @@ def test_a_restarted_supervisor_adopts_only_unread_acknowledged_results(prefix: 
 
 
 # -- through a real server -----------------------------------------------------------------
-
-
-@pytest.fixture
-async def server(workdir: Path) -> AsyncIterator[QueueServer]:
-    server = QueueServer(MemoryQueueStore(), workdir / "s.sock")
-    server.segments.reread_grace = 0.0
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-    assert _segments(server.segments.prefix) == []
 
 
 def _swept_free(server: QueueServer) -> int:
