@@ -26,11 +26,24 @@ from pathlib import Path
 from typing import Any
 
 from queryqueue import ContinueWaitError, SocketQueueDriver, StoreError
-from queryqueue.supervisor.launch import launch
+from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _host(work: Path, name: str, schema: str, url: str, *options: str) -> SupervisorProcess:
+    """A supervisor of `schema` at `url` (PostgreSQL itself, or a proxy in front of it)."""
+    return launch(
+        work / f"{name}.db",
+        work / f"{name}.sock",
+        "--schema",
+        schema,
+        *options,
+        store=url,
+        cwd=REPO,
+    )
 
 
 async def _timed(awaitable: Awaitable[Any]) -> tuple[float, Any]:
@@ -48,16 +61,7 @@ async def held_lock(work: Path) -> dict[str, Any]:
     from queryqueue.driver_postgres.store import prefix_lock_key
 
     schema = fresh_schema()
-    host = launch(
-        work / "l.db",
-        work / "l.sock",
-        "--schema",
-        schema,
-        "--pg-lock-timeout",
-        "20",
-        store=URL,
-        cwd=REPO,
-    )
+    host = _host(work, "l", schema, URL, "--pg-lock-timeout", "20")
     driver = SocketQueueDriver(host.socket_path)
     try:
         await driver.add("q:warm", "{}")
@@ -86,16 +90,7 @@ async def held_lock(work: Path) -> dict[str, Any]:
 
 async def frozen_connection(work: Path) -> dict[str, Any]:
     schema, proxy = fresh_schema(), Proxy()
-    host = launch(
-        work / "f.db",
-        work / "f.sock",
-        "--schema",
-        schema,
-        "--pg-network-timeout",
-        "2",
-        store=proxy.url,
-        cwd=REPO,
-    )
+    host = _host(work, "f", schema, proxy.url, "--pg-network-timeout", "2")
     driver = SocketQueueDriver(host.socket_path)
     try:
         await driver.add("p:a", "{}")
@@ -131,18 +126,7 @@ async def restart_under_load(work: Path) -> dict[str, Any]:
 
     os.environ["POOL_TRACE"] = str(work / "trace")
     schema, proxy = fresh_schema(), Proxy()
-    host = launch(
-        work / "r.db",
-        work / "r.sock",
-        "--schema",
-        schema,
-        "--app",
-        "tests.apps.pool_app:app",
-        "--workers",
-        "2",
-        store=proxy.url,
-        cwd=REPO,
-    )
+    host = _host(work, "r", schema, proxy.url, "--app", "tests.apps.pool_app:app", "--workers", "2")
     driver = SocketQueueDriver(host.socket_path)
     queue = app.pool_queue(driver, continue_wait_timeout=30)
 

@@ -79,13 +79,14 @@ class BinaryResult:
         return orjson.dumps({"$binary": self.form, "data": _b64(self.to_bytes())}).decode()
 
 
-def json_result(data: bytes) -> BinaryResult:
-    """A large JSON outcome, `data` its UTF-8 text."""
+def from_bytes(form: str, data: bytes) -> BinaryResult:
+    """A result of `form` whose bytes exist already (a large JSON outcome's UTF-8 text,
+    a segment's content)."""
 
     def write(target: memoryview) -> None:
         target[: len(data)] = data
 
-    return BinaryResult("json", len(data), write, data)
+    return BinaryResult(form, len(data), write, data)
 
 
 # What an ACK carries: outcome text, or a binary result its driver stores its own way.
@@ -236,12 +237,18 @@ class _Unpickler(pickle.Unpickler):
         )
 
 
-def decode_inline(decoded: dict[str, Any], pickle_modules: Collection[str]) -> Any:
-    """The value of a `{"$binary": form, "data": base64}` outcome."""
+def parse_inline(decoded: dict[str, Any]) -> tuple[str, bytes]:
+    """(form, bytes) of a decoded `{"$binary": form, "data": base64}` outcome."""
     form, data = decoded.get("$binary"), decoded.get("data")
     if not isinstance(form, str) or not isinstance(data, str):
         raise QueryError("a binary result's outcome is malformed")
-    return read_binary(form, memoryview(base64.b64decode(data)), pickle_modules=pickle_modules)
+    return form, base64.b64decode(data)
+
+
+def decode_inline(decoded: dict[str, Any], pickle_modules: Collection[str]) -> Any:
+    """The value of a `{"$binary": form, "data": base64}` outcome."""
+    form, data = parse_inline(decoded)
+    return read_binary(form, memoryview(data), pickle_modules=pickle_modules)
 
 
 def _b64(data: bytes) -> str:

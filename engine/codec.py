@@ -51,7 +51,7 @@ from queryqueue.engine.binary import (
     LARGE_JSON,
     BinaryResult,
     binary_of,
-    json_result,
+    from_bytes,
 )
 from queryqueue.engine.errors import QueryError
 
@@ -119,7 +119,7 @@ class Codecs:
         if binary is not None:
             return binary
         data = self.encode_bytes(value)
-        return json_result(data) if len(data) >= LARGE_JSON else data.decode()
+        return from_bytes("json", data) if len(data) >= LARGE_JSON else data.decode()
 
     def encode_result(self, value: Any) -> str:
         """The outcome text of a successful query."""

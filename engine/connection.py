@@ -22,6 +22,7 @@ from queryqueue.engine.responses import (
     QueueId,
     QueueKey,
     ResultResponse,
+    RetrieveResponse,
     ToCancelResponse,
 )
 
@@ -57,6 +58,23 @@ def decode_def(response: QueryDefResponse | None) -> QueryDef | None:
     if response is None:
         return None
     return decode_query(response.payload, response.extra)
+
+
+def retrieved_of(got: RetrieveResponse | None) -> Retrieved:
+    """RETRIEVE EXTENDED's answer as the reconcile reads it."""
+    if got is None or got.payload is None:
+        return Retrieved(
+            queue_id=None,
+            active_keys=_keys(got.active) if got else (),
+            queue_size=got.pending if got else 0,
+            query=None,
+        )
+    return Retrieved(
+        queue_id=got.id,
+        active_keys=_keys(got.active),
+        queue_size=got.pending,
+        query=decode_query(got.payload, got.extra),
+    )
 
 
 def decode_query(payload: str, extra: str | None) -> QueryDef:
@@ -235,19 +253,7 @@ class QueueConnection:
             extended=True,
             process_id=self.process_uid,
         )
-        if got is None or got.payload is None:
-            return Retrieved(
-                queue_id=None,
-                active_keys=_keys(got.active) if got else (),
-                queue_size=got.pending if got else 0,
-                query=None,
-            )
-        return Retrieved(
-            queue_id=got.id,
-            active_keys=_keys(got.active),
-            queue_size=got.pending,
-            query=decode_query(got.payload, got.extra),
-        )
+        return retrieved_of(got)
 
     async def free_processing_lock(self, query_key_hash: str, queue_id: QueueId | None) -> None:
         """A retrieval either happened atomically or not at all: nothing to undo."""

@@ -37,6 +37,11 @@ def hash_query_key(
     return digest
 
 
+def may_run_in(query_key_hash: str, process_uid: str) -> bool:
+    """The design's rule: a persistent key (`hash@owner`) runs only in its owner process."""
+    return "@" not in query_key_hash or query_key_hash.endswith(f"@{process_uid}")
+
+
 def _write(value: Any, out: list[str]) -> None:
     if value is None:
         out.append("null")

@@ -34,7 +34,7 @@ from queryqueue.engine.handlers import (
     SendProcessMessage,
     StreamHandler,
 )
-from queryqueue.engine.hashing import hash_query_key, js_number
+from queryqueue.engine.hashing import hash_query_key, js_number, may_run_in
 from queryqueue.engine.outcome import encode_cancelled
 from queryqueue.engine.requests import Request, RequestSide
 from queryqueue.engine.responses import QueueId
@@ -243,9 +243,7 @@ class QueryQueue:
         to_process_limit = 1 if len(active) >= self.concurrency else self.concurrency - len(active)
         # The store hides other processes' persistent items already; the suffix check keeps
         # the design's rule explicit should a driver not.
-        mine = [
-            (h, q) for h, q in to_process if "@" not in h or h.endswith(f"@{self.process_uid}")
-        ][:to_process_limit]
+        mine = [(h, q) for h, q in to_process if may_run_in(h, self.process_uid)][:to_process_limit]
         await asyncio.gather(*(self.process_query(h, q) for h, q in mine))
 
     async def _remove_orphaned(self, query_key_hash: str, queue_id: QueueId) -> None:

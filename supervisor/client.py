@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from queryqueue.engine.aio import wait_within
-from queryqueue.engine.binary import BinaryResult, Outcome
+from queryqueue.engine.binary import BinaryResult, Outcome, from_bytes
 from queryqueue.engine.commands import served
 from queryqueue.engine.errors import (
     AuthenticationError,
@@ -471,13 +471,13 @@ class SocketQueueDriver:
         return answer
 
     async def ack(self, key: QueueKey, result: Outcome | None) -> AckResponse:
-        if isinstance(result, BinaryResult):
-            result = await self._share_binary(result)
-        elif (
-            result is not None
+        if (
+            isinstance(result, str)
             and self.shm_threshold is not None
             and len(result) >= self.shm_threshold
         ):
+            result = from_bytes("json", result.encode())
+        if isinstance(result, BinaryResult):
             result = await self._share(result)
         if result is not None and len(result) + _FRAME_OVERHEAD > self.max_frame:
             raise ResultTooLargeError(
@@ -487,20 +487,10 @@ class SocketQueueDriver:
         answer: AckResponse = await self._decoded("ack", key, result)
         return answer
 
-    async def _share(self, result: str) -> str:
-        """The reference to ACK with, once `result` is in a segment; `result` itself when
-        shared memory has no room for it (a full /dev/shm, a cap): the socket way."""
-        data = result.encode()
-        try:
-            slot = await self.call("shm_alloc", len(data))
-            return self._segments.write(slot, data)
-        except StoreError as exc:
-            _log.warning("result of %d bytes goes through the socket: %s", len(data), exc)
-            return result
-
-    async def _share_binary(self, result: BinaryResult) -> str:
-        """A binary result written once, in place, into a segment; its inline text where
-        shared memory is off, the result small, or no segment has room."""
+    async def _share(self, result: BinaryResult) -> str:
+        """The reference to ACK with, once `result` is written (once, in place) into a
+        segment; its inline text where shared memory is off, the result small, or no
+        segment has room for it (a full /dev/shm, a cap): the socket way."""
         if self.shm_threshold is None or result.size < self.shm_threshold:
             return result.inline_text()
         try:

@@ -10,11 +10,9 @@ the limit, never cut; a pickled object (Python's own form) is refused as unreada
 
 from __future__ import annotations
 
-import base64
-
 import orjson
 
-from queryqueue.engine.binary import INLINE_MARK, read_binary
+from queryqueue.engine.binary import INLINE_MARK, parse_inline, read_binary
 from queryqueue.engine.codec import Codecs
 from queryqueue.engine.errors import InvalidCommandError, ResultTooLargeError
 
@@ -57,8 +55,4 @@ def as_json(form: str, data: bytes, limit: int) -> str:
 
 def inline_as_json(payload: str, limit: int) -> str:
     """`{"$binary": form, "data": base64}` as a Cube client reads it."""
-    decoded = orjson.loads(payload)
-    form, data = decoded.get("$binary"), decoded.get("data")
-    if not isinstance(form, str) or not isinstance(data, str):
-        raise InvalidCommandError("a binary result's outcome is malformed")
-    return as_json(form, base64.b64decode(data), limit)
+    return as_json(*parse_inline(orjson.loads(payload)), limit)

@@ -414,8 +414,10 @@ class WorkerPool:
                     worker.conn.send_bytes(job.blob)
                 except (OSError, ValueError):
                     self._backlog.appendleft(job)  # the worker died: its exit handler runs next
-                    worker.job = None if not ahead else worker.job
-                    worker.next = None
+                    if ahead:
+                        worker.next = None
+                    else:
+                        worker.job = None
 
     @staticmethod
     def _takes(worker: _Worker, ahead: bool) -> bool:

@@ -26,13 +26,14 @@ from typing import Any
 import orjson
 
 from queryqueue.engine.commands import served
-from queryqueue.engine.connection import decode_def, decode_query
+from queryqueue.engine.connection import decode_def, retrieved_of
 from queryqueue.engine.errors import (
     AuthenticationError,
     InvalidCommandError,
     QueueError,
     StoreError,
 )
+from queryqueue.engine.hashing import may_run_in
 from queryqueue.engine.lanes import route_of
 from queryqueue.engine.responses import AddAndRetrieveResponse
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -776,17 +777,18 @@ class QueueServer:
             if free <= 0:
                 return found
             for row in self.store.pending(prefix, process_id=uid, limit=free):
-                if "@" in row.id and not row.id.endswith(f"@{uid}"):
+                if not may_run_in(row.id, uid):
                     continue
-                got = self.store.retrieve(
-                    f"{prefix}:{row.id}", concurrency=concurrency, extended=True, process_id=uid
+                got = retrieved_of(
+                    self.store.retrieve(
+                        f"{prefix}:{row.id}", concurrency=concurrency, extended=True, process_id=uid
+                    )
                 )
-                if got is None or got.payload is None or got.id is None:
-                    continue
-                if row.id not in (got.active or "").split(","):
-                    continue
-                query = decode_query(got.payload, got.extra)
-                found.append(RetrievedQuery(row.id, got.id, got.id, got.pending, query))
+                if got.query is None or got.queue_id is None or row.id not in got.active_keys:
+                    continue  # as the reconcile's process_query skips it
+                found.append(
+                    RetrievedQuery(row.id, got.queue_id, got.queue_id, got.queue_size, got.query)
+                )
         except QueueError as exc:  # what was retrieved stands; the reconcile does the rest
             _log.warning("retrieving for the pool in the batch failed: %s", exc)
         return found
@@ -899,7 +901,9 @@ class QueueServer:
             else:
                 if ref.size > limit:
                     raise cube_results.too_large(ref.size, limit)
-                owner = object()  # our own read lease, for the copy
+                # A read like any other: leased and released, so its segment goes back to
+                # the pool as a client's read would send it.
+                owner = object()
                 if not self.segments.lease(payload, owner):
                     request.connection.send({"id": request.id, "rows": rows(None)})
                     return

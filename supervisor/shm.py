@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from queryqueue.engine.binary import FORMS, BinaryResult, read_binary
+from queryqueue.engine.binary import FORMS, BinaryResult, from_bytes, read_binary
 from queryqueue.engine.errors import InvalidCommandError, StoreError
 
 DEFAULT_THRESHOLD = 1024 * 1024
@@ -119,13 +119,6 @@ def _open(name: str, size: int | None, *, populate: bool = True) -> mmap.mmap:
         return mmap.mmap(fd, length, flags=flags)
     finally:
         os.close(fd)
-
-
-def create_segment(name: str, capacity: int) -> mmap.mmap:
-    """A new segment, every page made (callable from any thread)."""
-    memory = _open(name, capacity, populate=False)  # nothing of ours writes it in bulk
-    HEADER.pack_into(memory, 0, MAGIC, 0)  # free: a crash now leaves nothing to adopt
-    return memory
 
 
 def _unlink(name: str) -> None:
@@ -266,14 +259,12 @@ class SegmentPool:
         return {"name": segment.name, "gen": segment.generation, "capacity": capacity}
 
     def _create(self, capacity: int) -> _Segment:
-        memory = create_segment(name := self._new_name(), capacity)
+        self._serial += 1
+        name = f"{self.prefix}{self._token}{self._serial}"
+        memory = _open(name, capacity, populate=False)  # nothing of ours writes it in bulk
         segment = self._segments[name] = _Segment(name, capacity, memory)
         self.created += 1
         return segment
-
-    def _new_name(self) -> str:
-        self._serial += 1
-        return f"{self.prefix}{self._token}{self._serial}"
 
     def acked(self, result: Any, success: bool) -> None:
         """An ACK carrying a reference committed (`success`) or found no item."""
@@ -303,7 +294,7 @@ class SegmentPool:
             self._free(segment)
         if ref.form == "json":
             return str(data, "utf-8")
-        return BinaryResult(ref.form, ref.size, lambda target: _put(target, data)).inline_text()
+        return from_bytes(ref.form, data).inline_text()
 
     def copy_out(self, result: Any) -> tuple[Reference, bytes]:
         """The bytes a reference names, copied (the supervisor's own read)."""
@@ -528,7 +519,7 @@ class SegmentMaps:
 
     def write(self, slot: dict[str, Any], data: bytes) -> str:
         """Write `data` into the segment `shm_alloc` gave; the reference to ACK with."""
-        return self.write_binary(slot, BinaryResult("json", len(data), lambda t: _put(t, data)))
+        return self.write_binary(slot, from_bytes("json", data))
 
     def write_binary(self, slot: dict[str, Any], result: BinaryResult) -> str:
         """Write `result` (once, in place) into the segment `shm_alloc` gave; the
@@ -542,34 +533,28 @@ class SegmentMaps:
         return reference(name, generation, result.size, result.form)
 
     def read(self, ref: Reference) -> str:
-        name, generation, size, _ = ref
-        memory = self._map(name)
-        if _generation(memory) != generation or size > len(memory) - HEADER.size:
-            raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
-        with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + size] as data:
-            text = str(data, "utf-8")  # decoded straight out of the segment: one copy
-        if _generation(memory) != generation:
-            raise SharedResultError(f"shared-memory result {name}#{generation} was reused")
+        """A JSON result's text, decoded straight out of its segment: one copy."""
+        text: str = self._read(ref, lambda data: str(data, "utf-8"))
         return text
 
     def read_json(self, ref: Reference) -> Any:
         """A JSON result, parsed straight out of its segment."""
-        memory = self._map(ref.name)
-        if _generation(memory) != ref.generation or ref.size > len(memory) - HEADER.size:
-            raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
-        with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + ref.size] as data:
-            value = orjson.loads(data)
-        if _generation(memory) != ref.generation:
-            raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
-        return value
+        return self._read(ref, orjson.loads)
 
     def read_value(self, ref: Reference, pickle_modules: Collection[str]) -> Any:
         """A binary result, copied out of its segment."""
+        return self._read(
+            ref, lambda data: read_binary(ref.form, data, pickle_modules=pickle_modules)
+        )
+
+    def _read(self, ref: Reference, read: Callable[[memoryview], Any]) -> Any:
+        # The generation before and after: a segment reused meanwhile is an error, never
+        # another result's bytes.
         memory = self._map(ref.name)
         if _generation(memory) != ref.generation or ref.size > len(memory) - HEADER.size:
             raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
         with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + ref.size] as data:
-            value = read_binary(ref.form, data, pickle_modules=pickle_modules)
+            value = read(data)
         if _generation(memory) != ref.generation:
             raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
         return value
@@ -592,10 +577,6 @@ def view_value(ref: Reference, pickle_modules: Collection[str]) -> tuple[Any, mm
         raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
     data = memoryview(memory)[HEADER.size : HEADER.size + ref.size]
     return read_binary(ref.form, data, view=True, pickle_modules=pickle_modules), memory
-
-
-def _put(target: memoryview, data: bytes) -> None:
-    target[: len(data)] = data
 
 
 def _generation(memory: mmap.mmap) -> int:
