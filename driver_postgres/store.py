@@ -55,6 +55,7 @@ from queryqueue.engine.records import (
     result_from_row,
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
+from queryqueue.engine.result_rules import blocking_lookup
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
 from queryqueue.engine.waiters import AckEvent, Waiter
 
@@ -702,12 +703,16 @@ class PostgresQueueStore(QueueStore):
 
     def _lookup(self, key: QueueKey) -> ResultResponse | None:
         with self._atomic() as tx:
-            return self._blocking_lookup(tx, key, self.clock.now_ms())
+            return blocking_lookup(tx, key, self.clock.now_ms())
 
     def _take(self, key: QueueKey, event: AckEvent) -> ResultResponse | None:
-        if event.result is None:  # ACK with NULL: answered, with no payload
+        if event.result is None or (event.taken and isinstance(key, int)):
+            # ACK with NULL: answered, with no payload. Taken for us by a local ACK: as is.
             return ResultResponse(
-                payload=None, type=ResultStatus.SUCCESS, id=event.id, external_id=event.external_id
+                payload=event.result,
+                type=ResultStatus.SUCCESS,
+                id=event.id,
+                external_id=event.external_id,
             )
         with self._atomic() as tx:
             value: str | None = event.result

@@ -102,16 +102,18 @@ class Executor:
         """Run the handler, heartbeating meanwhile; its outcome as the JSON text to ACK."""
         retrieved = execution.retrieved
         query = retrieved.query
-        start = self.queue.clock.now_ms()
+        start = retrieved.started_ms
+        if start is None:
+            start = self.queue.clock.now_ms()
+            # Not waited for: it goes out ahead of anything the handler sends, and the ACK
+            # waits for it (side tasks end first), so the handler starts a round trip sooner
+            # and a store outage right now costs only this record, not the run.
+            execution.side_tasks.add(
+                asyncio.ensure_future(self._record(execution, {"startQueryTime": start}))
+            )
         self.queue.events.emit(
             ev.PERFORMING_QUERY,
             {**context, "timeInQueue": start - query.get("addedToQueueTime", start)},
-        )
-        # Not waited for: it goes out ahead of anything the handler sends, and the ACK
-        # waits for it (side tasks end first), so the handler starts a round trip sooner
-        # and a store outage right now costs only this record, not the run.
-        execution.side_tasks.add(
-            asyncio.ensure_future(self._record(execution, {"startQueryTime": start}))
         )
         heartbeat = asyncio.ensure_future(self._heartbeat(execution, context))
         started = time.monotonic()

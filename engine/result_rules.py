@@ -38,6 +38,16 @@ def lookup_result(
         return result_response(found)
 
 
+def blocking_lookup(tx: StoreTransaction, key: QueueKey, now: int) -> ResultResponse | None:
+    """RESULT_BLOCKING's first look: RESULT's rules, except that a waiter by id takes the
+    path result as it does when woken, so whether the ACK came before or after it
+    subscribed makes no difference."""
+    found = lookup_result(tx, key, None, now)
+    if found is not None and isinstance(key, int):
+        tx.mark_result_consumed(found.id)
+    return found
+
+
 def unread_result(tx: StoreTransaction, new: Item, now: int) -> QueueId | None:
     """The id of `new.path`'s latest result if nobody has read it yet (and it may be
     served to `new`'s external id)."""

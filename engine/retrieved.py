@@ -19,6 +19,9 @@ class RetrievedQuery:
     processing_id: QueueId  # the queue id: one retrieval per item generation, no separate locks
     queue_size: int
     query: dict[str, Any]  # the query definition: payload merged with extra
+    # The retriever recorded startQueryTime (ms) in the transaction that retrieved it, as
+    # Cube's processQuery does right after RETRIEVE: the executor need not send it again.
+    started_ms: int | None = None
 
     @property
     def persistent(self) -> bool:

@@ -47,8 +47,8 @@ from queryqueue.engine.responses import (
     ResultStatus,
     RetrieveResponse,
 )
-from queryqueue.engine.result_rules import lookup_result, unread_result
-from queryqueue.engine.waiters import AckEvent, ResultWaiters, SlotWatchers
+from queryqueue.engine.result_rules import blocking_lookup, lookup_result, unread_result
+from queryqueue.engine.waiters import AckEvent, ResultWaiters, SlotWatchers, Waiter
 
 T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
@@ -309,23 +309,25 @@ class QueueStore(ListingCommands):
         RESULT_BLOCKING waiter woken once it is committed."""
         now = self.clock.now_ms()
         tx.delete(item)
+        # A waiter by id takes the result when it wakes (RESULT_BLOCKING's rule): taken
+        # here, in this transaction, so that waking it costs no transaction of its own.
+        taken = result is not None and self.waiters.waiting(item.id)
         if result is not None:
             tx.insert_result(
                 StoredResult(
                     id=item.id,
                     path=item.path,
                     value=result,
-                    deleted=False,
+                    deleted=taken,
                     expire=now + self.result_ttl_ms,
                     external_id=item.external_id,
                 )
             )
         tx.purge_expired_results(now, PURGE_BATCH)
         tx.acked(item, result)
+        event = AckEvent(item.id, item.path, result, item.external_id, taken)
         # Decide, then act: waiters are woken only once the result is committed.
-        self._after_commit(
-            lambda: self.waiters.publish(AckEvent(item.id, item.path, result, item.external_id))
-        )
+        self._after_commit(lambda: self.waiters.publish(event))
         self._after_commit(self.slot_watchers.publish)
 
     def watch_slots(self, callback: Callable[[], None]) -> Callable[[], None]:
@@ -354,17 +356,6 @@ class QueueStore(ListingCommands):
         with self._atomic() as tx:
             return lookup_result(tx, key, external_id, self.clock.now_ms(), consumer)
 
-    def _blocking_lookup(
-        self, tx: StoreTransaction, key: QueueKey, now: int
-    ) -> ResultResponse | None:
-        """RESULT_BLOCKING's first look: RESULT's rules, except that a waiter by id takes
-        the path result as it does when woken, so whether the ACK came before or after it
-        subscribed makes no difference."""
-        found = lookup_result(tx, key, None, now)
-        if found is not None and isinstance(key, int):
-            tx.mark_result_consumed(found.id)
-        return found
-
     @queue_command(response=ResultResponse, resend="by_id")
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         """QUEUE RESULT_BLOCKING timeout key: RESULT, or wait up to `timeout_ms` for the ACK.
@@ -372,21 +363,39 @@ class QueueStore(ListingCommands):
         The waiter subscribes before it reads, so an ACK in between is never missed. An ACK
         with NULL answers a row whose payload is None; a timeout answers None.
         """
+        found, waiter = self.result_blocking_start(key, timeout_ms)
+        if waiter is None:
+            return found
+        try:
+            event = await wait_within(waiter.future, timeout_ms / 1000)
+        except TimeoutError:
+            return None
+        finally:
+            self.waiters.unsubscribe(waiter)
+        return self.result_blocking_woken(key, event)
+
+    def result_blocking_start(
+        self, key: QueueKey, timeout_ms: int
+    ) -> tuple[ResultResponse | None, Waiter | None]:
+        """RESULT_BLOCKING's first half (a server runs it in a batch): subscribe, then look.
+        The result found, or the waiter to await, unsubscribe and pass to `..._woken`."""
         v.check_key(key)
         v.check_non_negative_ms("timeout", timeout_ms)
         waiter = self.waiters.subscribe(key)
         try:
             with self._atomic() as tx:
-                found = self._blocking_lookup(tx, key, self.clock.now_ms())
-            if found is not None:
-                return found
-            try:
-                event = await wait_within(waiter.future, timeout_ms / 1000)
-            except TimeoutError:
-                return None
-        finally:
+                found = blocking_lookup(tx, key, self.clock.now_ms())
+        except BaseException:
             self.waiters.unsubscribe(waiter)
-        if event.result is not None:
+            raise
+        if found is not None:
+            self.waiters.unsubscribe(waiter)
+            return found, None
+        return None, waiter
+
+    def result_blocking_woken(self, key: QueueKey, event: AckEvent) -> ResultResponse:
+        """RESULT_BLOCKING's second half: the ACK that woke the waiter, as its answer."""
+        if event.result is not None and not (event.taken and isinstance(key, int)):
             with self._atomic() as tx:
                 # Cube Store: a waiter by path takes the row, a waiter by id leaves it readable.
                 if isinstance(key, int):

@@ -21,6 +21,9 @@ class AckEvent:
     path: str
     result: str | None
     external_id: str | None
+    # The ACK's own transaction consumed the result for a waiter by id (decide, then act:
+    # the waiter need not consume it in a transaction of its own when it wakes).
+    taken: bool = False
 
 
 class Waiter:
@@ -50,6 +53,10 @@ class ResultWaiters:
                 waiters.discard(waiter)
                 if not waiters:
                     del self._waiters[waiter.key]
+
+    def waiting(self, key: QueueKey) -> bool:
+        with self._lock:
+            return key in self._waiters
 
     def count(self) -> int:
         with self._lock:

@@ -77,13 +77,14 @@ def encode_retrieved(retrieved: RetrievedQuery) -> bytes:
             retrieved.processing_id,
             retrieved.queue_size,
             retrieved.query,
+            retrieved.started_ms,
         ]
     )
 
 
 def decode_retrieved(blob: bytes) -> RetrievedQuery:
-    query_key_hash, queue_id, processing_id, queue_size, query = orjson.loads(blob)
-    return RetrievedQuery(query_key_hash, queue_id, processing_id, queue_size, query)
+    query_key_hash, queue_id, processing_id, queue_size, query, started_ms = orjson.loads(blob)
+    return RetrievedQuery(query_key_hash, queue_id, processing_id, queue_size, query, started_ms)
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:

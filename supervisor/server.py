@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from queryqueue.engine.aio import wait_within
 from queryqueue.engine.commands import served
 from queryqueue.engine.connection import decode_def, retrieved_of
 from queryqueue.engine.errors import (
@@ -39,6 +40,7 @@ from queryqueue.engine.responses import AddAndRetrieveResponse
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
+from queryqueue.engine.waiters import Waiter
 from queryqueue.supervisor import cube_results, guard, sqltext
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
@@ -142,6 +144,7 @@ class _Connection:
     # retrieve its own stream item: nobody else may retrieve it for it).
     watching: set[str] = field(default_factory=set)
     in_flight: int = 0
+    polls_queued: int = 0  # long polls in the inbox, not yet parked (counted to the limit)
     answered: asyncio.Event = field(default_factory=asyncio.Event)
 
     def buffered(self) -> int:
@@ -229,6 +232,15 @@ def _file_sizes(path: Any) -> dict[str, int | None]:
             return None
 
     return {"db_bytes": size(str(path)), "wal_bytes": size(f"{path}-wal")}
+
+
+def _poll_args(request: _Request) -> tuple[Any, int]:
+    """RESULT_BLOCKING's key and timeout, however the client passed them (checked by the
+    store when the request first ran)."""
+    args, kwargs = request.args, request.kwargs
+    key = args[0] if args else kwargs["key"]
+    timeout_ms = args[1] if len(args) > 1 else kwargs["timeout_ms"]
+    return key, int(timeout_ms)
 
 
 def _by_route(batch: list[_Request]) -> dict[str | None, list[_Request]]:
@@ -475,19 +487,27 @@ class QueueServer:
         if request is None:
             return
         if request.method == "result_blocking":
-            if len(connection.parked) >= connection.limits.max_parked:
+            polls = len(connection.parked) + connection.polls_queued
+            if polls >= connection.limits.max_parked:
                 error = InvalidCommandError(
-                    f"result_blocking: this connection has {len(connection.parked)} long "
+                    f"result_blocking: this connection has {polls} long "
                     f"polls waiting, the limit is {connection.limits.max_parked}"
                 )
                 connection.send({"id": request.id, "error": error_payload(error)})
                 return
-            parked = asyncio.ensure_future(self._result_blocking(request))
-            connection.parked.add(parked)
-            parked.add_done_callback(connection.parked.discard)
-        else:
-            connection.in_flight += 1
-            self._inbox.put_nowait(request)
+            if self.store.blocking:
+                self._park(request, asyncio.ensure_future(self._result_blocking(request)))
+                return
+            # Its first look runs in the batch (a savepoint of the batch's transaction, not
+            # a transaction of its own); not found, it parks as the batch is answered.
+            connection.polls_queued += 1
+        connection.in_flight += 1
+        self._inbox.put_nowait(request)
+
+    @staticmethod
+    def _park(request: _Request, parked: asyncio.Task[None]) -> None:
+        request.connection.parked.add(parked)
+        parked.add_done_callback(request.connection.parked.discard)
 
     def _authenticate(
         self, connection: _Connection, message: dict[str, Any], request_id: Any
@@ -750,6 +770,9 @@ class QueueServer:
                 if self._pool_may_retrieve(batch, answers):
                     for_pool = self._retrieve_for_pool()
         except StoreError as exc:
+            for _, answer in answers:  # long polls that subscribed: nothing committed
+                if isinstance(answer, Waiter):
+                    self.store.waiters.unsubscribe(answer)
             return [(False, exc)] * len(batch), None
         return answers, for_pool
 
@@ -787,11 +810,29 @@ class QueueServer:
                 if got.query is None or got.queue_id is None or row.id not in got.active_keys:
                     continue  # as the reconcile's process_query skips it
                 found.append(
-                    RetrievedQuery(row.id, got.queue_id, got.queue_id, got.queue_size, got.query)
+                    RetrievedQuery(
+                        row.id,
+                        got.queue_id,
+                        got.queue_id,
+                        got.queue_size,
+                        got.query,
+                        self._record_start(got.queue_id),
+                    )
                 )
         except QueueError as exc:  # what was retrieved stands; the reconcile does the rest
             _log.warning("retrieving for the pool in the batch failed: %s", exc)
         return found
+
+    def _record_start(self, queue_id: int) -> int | None:
+        """startQueryTime, in the transaction that retrieved the item for the pool (Cube's
+        processQuery records it right after RETRIEVE): its worker need not send it.
+        None: not recorded here, the worker records it as any executor would."""
+        now = self.store.clock.now_ms()
+        try:
+            self.store.merge_extra(queue_id, orjson.dumps({"startQueryTime": now}).decode())
+        except QueueError:
+            return None
+        return now
 
     def _hand_to_pool(self, retrieved: list[RetrievedQuery] | None) -> None:
         if not retrieved or self.pool is None:
@@ -827,10 +868,15 @@ class QueueServer:
         if metrics is not None:
             metrics.batch(len(batch))
         for request, (ok, answer) in zip(batch, answers, strict=True):
+            request.connection.in_flight -= 1
+            if request.method == "result_blocking" and not self.store.blocking:
+                request.connection.polls_queued -= 1
+                if ok and isinstance(answer, Waiter):
+                    self._park(request, asyncio.ensure_future(self._wait_parked(request, answer)))
+                    continue
             self.stats.record(request.method, now - request.received, ok)
             if metrics is not None:
                 self._measure(metrics, request, ok, answer, now - request.received)
-            request.connection.in_flight -= 1
             self._answer(request, ok, answer, poke)
 
     def _measure(self, metrics: Any, request: _Request, ok: bool, answer: Any, took: float) -> None:
@@ -849,6 +895,9 @@ class QueueServer:
         if request.refused is not None:
             return False, request.refused
         try:
+            if request.method == "result_blocking":
+                found, waiter = self.store.result_blocking_start(*request.args, **request.kwargs)
+                return True, found if waiter is None else waiter
             return True, getattr(self.store, request.method)(*request.args, **request.kwargs)
         except QueueError as exc:
             return False, exc
@@ -929,6 +978,25 @@ class QueueServer:
             return answer
         # Its segment went back to the pool (a late re-read): as if there were no result.
         return None
+
+    async def _wait_parked(self, request: _Request, waiter: Waiter) -> None:
+        """A long poll whose first look (in a batch) found nothing: its ACK's event, or
+        None at its timeout (or at shutdown or hang-up)."""
+        key, timeout_ms = _poll_args(request)
+        answer: Any = None
+        try:
+            event = await wait_within(waiter.future, timeout_ms / 1000)
+            answer = self.store.result_blocking_woken(key, event)
+        except (TimeoutError, asyncio.CancelledError):
+            pass
+        except QueueError as exc:
+            self.stats.record(request.method, time.monotonic() - request.received, False)
+            self._answer(request, False, exc)
+            return
+        finally:
+            self.store.waiters.unsubscribe(waiter)
+        self.stats.record(request.method, time.monotonic() - request.received, True)
+        self._answer(request, True, answer)
 
     async def _result_blocking(self, request: _Request) -> None:
         try:

@@ -465,6 +465,33 @@ async def test_result_blocking_by_path_takes_the_row_by_id_leaves_it(store: Queu
     assert store.result(by_path) is None
 
 
+async def test_an_ack_takes_the_result_for_a_waiter_by_id_in_its_own_transaction(
+    store: QueueStore,
+) -> None:
+    """Decide, then act: the ACK that wakes a waiter by id consumes the path result in
+    its own transaction. Before the waiter even runs, a read by path finds it taken and a
+    read by id still reads it; the woken waiter gets it."""
+    qid = store.add(path("a"), payload()).id
+    found, waiter = store.result_blocking_start(qid, 10_000)
+    assert found is None and waiter is not None
+    try:
+        assert store.ack(qid, payload(r=3)).success
+        event = await asyncio.wait_for(waiter.future, 5)
+    finally:
+        store.waiters.unsubscribe(waiter)
+    assert store.result(path("a")) is None
+    assert store.result(qid) is not None
+    if event.result is not None and event.taken:  # (another host's NOTIFY has it fetched)
+        woken = store.result_blocking_woken(qid, event)
+        assert (woken.id, woken.payload) == (qid, payload(r=3))
+
+    # With nobody waiting, the result stays for its first reader by path.
+    other = store.add(path("b"), payload()).id
+    store.ack(other, payload(r=4))
+    got = store.result(path("b"))
+    assert got is not None and got.payload == payload(r=4)
+
+
 async def test_result_blocking_cancelled_leaves_no_waiter(store: QueueStore) -> None:
     qid = store.add(path("a"), payload()).id
     waiter = asyncio.create_task(store.result_blocking(qid, 60_000))

@@ -513,3 +513,50 @@ async def test_the_fast_track_is_dispatched_by_the_supervisor_in_two_round_trips
     assert sent("add_and_retrieve") == 1
     assert sent("result_blocking") == 1
     assert sent("dispatch") == 0 and sent("result") == 0 and sent("add") == 0
+
+
+async def test_the_retrieving_batch_records_when_a_queued_query_started(
+    pool: SupervisorProcess,
+) -> None:
+    """Cube's processQuery records startQueryTime right after RETRIEVE: the supervisor
+    writes it in the transaction that retrieved the item for its pool, so the worker sends
+    no MERGE_EXTRA of its own (the one it sends is its handler's cancel handler)."""
+    from queryqueue.engine.connection import decode_def
+    from tests.apps.pool_app import app
+    from tests.waiting import wait_until
+
+    driver = SocketQueueDriver(pool.socket_path)
+    queue = app.pool_queue(driver, continue_wait_timeout=10.0)
+    path = f"{queue.prefix}:{queue.hash_query_key('slow')}"
+    seen: dict[str, Any] = {}
+
+    async def started() -> bool:
+        definition = decode_def(await driver.get(path))
+        seen.update(definition or {})
+        return definition is not None and "cancelHandler" in definition
+
+    try:
+        before = (await driver.stats())["commands"]
+        asked_ms = time.time() * 1000
+        running = asyncio.ensure_future(
+            queue.execute_in_queue("sql", "slow", {"key": "slow", "seconds": 0.5})
+        )
+        await wait_until(started, what="the query running, its cancel handler recorded")
+        assert asked_ms - 1 <= seen["startQueryTime"] <= time.time() * 1000
+        assert (await running)["key"] == "slow"
+        after = (await driver.stats())["commands"]
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+    merges = after["merge_extra"]["count"] - before.get("merge_extra", {}).get("count", 0)
+    assert merges == 1
+
+
+def test_pool_workers_are_batch_scheduled(pool: SupervisorProcess) -> None:
+    """Workers run queries, the supervisor coordinates: a worker it wakes (a hand-off, an
+    ACK's answer) does not preempt it (SCHED_BATCH), so the supervisor's turn finishes."""
+    pids = _worker_pids(pool)
+    assert pids
+    for pid in pids:
+        assert os.sched_getscheduler(pid) == os.SCHED_BATCH
+    assert os.sched_getscheduler(pool.pid) == os.SCHED_OTHER
