@@ -287,6 +287,9 @@ class SqliteQueueStore(QueueStore):
             raise StoreError(f"cannot open the queue database {self.path}: {exc}") from exc
         try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            # One process writes a queue database: it holds the file's locks for its life
+            # (no lock calls per transaction) and keeps the WAL index in its own memory.
+            self._conn.execute("PRAGMA locking_mode = EXCLUSIVE")
             (mode,) = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()
             if mode.lower() != "wal":
                 raise StoreError(f"{self.path} cannot be put in WAL mode (got {mode})")

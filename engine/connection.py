@@ -142,9 +142,13 @@ class QueueConnection:
         view: bool = False,
     ) -> Any:
         """The result, waiting up to `wait` seconds (`continue_wait_timeout` by default)."""
-        timeout_ms = self.continue_wait_timeout_ms if wait is None else round(wait * 1000)
+        timeout_ms = self.wait_ms(wait)
         found = await self.driver.result_blocking(self._key(query_key_hash, queue_id), timeout_ms)
         return await self._decoded_result(found, view)
+
+    def wait_ms(self, wait: float | None) -> int:
+        """A long poll's timeout: `wait` seconds, or `continue_wait_timeout`."""
+        return self.continue_wait_timeout_ms if wait is None else round(wait * 1000)
 
     async def _decoded_result(self, found: ResultResponse | None, view: bool) -> Any:
         """The outcome, decoded; a binary result in shared memory read out (or viewed, its
@@ -169,6 +173,7 @@ class QueueConnection:
         exclusive: bool,
         fast_track: bool,
         if_no_result: bool = False,
+        then_wait_ms: int | None = None,
     ) -> AddedToQueue:
         payload = orjson.dumps(query_def).decode()
         process_id = self.process_uid if exclusive else None
@@ -183,6 +188,7 @@ class QueueConnection:
                 exclusive=exclusive,
                 process_id=process_id,
                 if_no_result=if_no_result,
+                then_wait_ms=then_wait_ms,
             )
             return AddedToQueue(
                 added=both.added,
@@ -202,6 +208,7 @@ class QueueConnection:
             exclusive=exclusive,
             process_id=process_id,
             if_no_result=if_no_result,
+            then_wait_ms=then_wait_ms,
         )
         return AddedToQueue(
             added=added.added,

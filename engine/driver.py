@@ -43,7 +43,11 @@ class QueueDriver(Protocol):
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
-    ) -> AddToQueueResponse: ...
+        then_wait_ms: int | None = None,
+    ) -> AddToQueueResponse:
+        """`then_wait_ms`: the caller will RESULT_BLOCKING the answered id for this long
+        next; a driver may send that with the ADD (one write) and answer the later call
+        from it. Ignoring it is always correct."""
 
     async def add_and_retrieve(
         self,
@@ -57,6 +61,7 @@ class QueueDriver(Protocol):
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        then_wait_ms: int | None = None,
     ) -> AddAndRetrieveResponse: ...
 
     async def retrieve(
@@ -152,6 +157,7 @@ class LocalQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        then_wait_ms: int | None = None,  # in process: nothing to save
     ) -> AddToQueueResponse:
         return await self.store.run_off_loop(
             self.store.add,
@@ -177,6 +183,7 @@ class LocalQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        then_wait_ms: int | None = None,
     ) -> AddAndRetrieveResponse:
         return await self.store.run_off_loop(
             self.store.add_and_retrieve,

@@ -73,7 +73,10 @@ class RequestSide:
         stream_waiter = self.queue._subscribe_stream(query_key_hash) if is_stream else None
         waiting: dict[str, Any] | None = None
         try:
-            added = await self._enqueue(request, query_key_hash, external_id, flags)
+            # The long poll that follows, announced with the ADD: a driver may send both
+            # in one write (none follows a stream, whose rows come otherwise, or a job).
+            then_wait_ms = None if is_stream or flags.get("isJob") else conn.wait_ms(wait)
+            added = await self._enqueue(request, query_key_hash, external_id, flags, then_wait_ms)
             waiting = await self._start(request, query_key_hash, added, flags)
             if stream_waiter is not None:
                 return await self.queue._wait_for_stream(query_key_hash, stream_waiter)
@@ -128,6 +131,7 @@ class RequestSide:
         query_key_hash: str,
         external_id: str | None,
         flags: Mapping[str, Any],
+        then_wait_ms: int | None,
     ) -> AddedToQueue:
         """ADD, or on the fast track ADD_AND_RETRIEVE; joins an identical query in flight."""
         query_def: QueryDef = {
@@ -156,6 +160,7 @@ class RequestSide:
             fast_track=self.queue.fast_track and request.priority >= FAST_TRACK_PRIORITY,
             # A result that landed since our RESULT read answers: never a second run.
             if_no_result=not is_stream and not flags.get("forceBuild"),
+            then_wait_ms=then_wait_ms,
         )
 
     async def _start(

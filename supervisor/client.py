@@ -198,6 +198,9 @@ class SocketQueueDriver:
         # Prefixes the supervisor's worker pool runs (its hello says so on every connect).
         self.pool_prefixes: frozenset[str] = frozenset()
         self._slot_watchers: dict[str, set[Callable[[], None]]] = {}
+        # RESULT_BLOCKINGs sent with their ADD (`then_wait_ms`), by (queue id, timeout),
+        # until the caller asks for them.
+        self._pipelined: dict[tuple[QueueKey, int], _Pipelined] = {}
 
     # -- connection --------------------------------------------------------------------------
 
@@ -412,17 +415,20 @@ class SocketQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        then_wait_ms: int | None = None,
     ) -> AddToQueueResponse:
-        answer: AddToQueueResponse = await self._decoded(
+        answer: AddToQueueResponse = await self._adding(
             "add",
-            path,
-            payload,
-            priority=priority,
-            orphaned=orphaned,
-            external_id=external_id,
-            exclusive=exclusive,
-            process_id=process_id,
-            **({"if_no_result": True} if if_no_result else {}),
+            [path, payload],
+            {
+                "priority": priority,
+                "orphaned": orphaned,
+                "external_id": external_id,
+                "exclusive": exclusive,
+                "process_id": process_id,
+                **({"if_no_result": True} if if_no_result else {}),
+            },
+            then_wait_ms,
         )
         return answer
 
@@ -438,24 +444,71 @@ class SocketQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        then_wait_ms: int | None = None,
     ) -> AddAndRetrieveResponse:
         await self._connected()  # its hello says which prefixes the pool runs
         # The supervisor hands what it retrieves to its pool itself: no hand-off round trip.
         dispatch = not exclusive and path.rpartition(":")[0] in self.pool_prefixes
-        answer: AddAndRetrieveResponse = await self._decoded(
+        answer: AddAndRetrieveResponse = await self._adding(
             "add_and_retrieve",
-            path,
-            payload,
-            concurrency,
-            **({"dispatch": True} if dispatch else {}),
-            priority=priority,
-            orphaned=orphaned,
-            external_id=external_id,
-            exclusive=exclusive,
-            process_id=process_id,
-            **({"if_no_result": True} if if_no_result else {}),
+            [path, payload, concurrency],
+            {
+                **({"dispatch": True} if dispatch else {}),
+                "priority": priority,
+                "orphaned": orphaned,
+                "external_id": external_id,
+                "exclusive": exclusive,
+                "process_id": process_id,
+                **({"if_no_result": True} if if_no_result else {}),
+            },
+            then_wait_ms,
         )
         return answer
+
+    async def _adding(
+        self, method: str, args: list[Any], kwargs: dict[str, Any], then_wait_ms: int | None
+    ) -> Any:
+        """ADD (or ADD_AND_RETRIEVE), with the RESULT_BLOCKING of the answered id that the
+        caller makes next sent in the same frame (`then_wait`): the supervisor runs both in
+        one batch, and `result_blocking` answers from it. Lost with its connection, the
+        ADD is sent again the ordinary way (and the long poll then is too)."""
+        if then_wait_ms is None or then_wait_ms < 0:
+            return await self._decoded(method, *args, **kwargs)
+        link = await self._connected()
+        wait_id = next(self._ids)
+        waited: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        link.pending[wait_id] = waited
+        message = {
+            "cmd": method,
+            "args": args,
+            "kwargs": {**kwargs, "then_wait": [wait_id, then_wait_ms]},
+        }
+        try:
+            reply = await self._exchange(link, message, self.request_timeout)
+        except _ConnectionLost:
+            link.pending.pop(wait_id, None)
+            return await self._decoded(method, *args, **kwargs)
+        except BaseException:
+            _Pipelined(link, wait_id, waited).drop()
+            raise
+        if "error" in reply:
+            _Pipelined(link, wait_id, waited).drop()
+            raise_error(reply["error"])
+        answer = DECODERS[method](reply.get("ok"))
+        self._keep_pipelined((answer.id, then_wait_ms), _Pipelined(link, wait_id, waited))
+        return answer
+
+    def _keep_pipelined(self, key: tuple[QueueKey, int], pipelined: _Pipelined) -> None:
+        self._pipelined[key] = pipelined
+
+        def forget() -> None:  # answered and never asked for: nobody will
+            if self._pipelined.get(key) is pipelined:
+                del self._pipelined[key]
+                pipelined.drop()
+
+        pipelined.waited.add_done_callback(
+            lambda _: asyncio.get_running_loop().call_later(_PIPELINED_KEPT_S, forget)
+        )
 
     async def retrieve(
         self,
@@ -529,9 +582,14 @@ class SocketQueueDriver:
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         extra = timeout_ms / 1000 if isinstance(timeout_ms, int) and timeout_ms > 0 else 0.0
-        answer: ResultResponse | None = await self._decoded(
-            "result_blocking", key, timeout_ms, extra_wait=extra
-        )
+        pipelined = self._pipelined.pop((key, timeout_ms), None)
+        reply = None if pipelined is None else await pipelined.reply(self.request_timeout + extra)
+        if reply is not None:
+            if "error" in reply:
+                raise_error(reply["error"])
+            answer: ResultResponse | None = DECODERS["result_blocking"](reply.get("ok"))
+        else:
+            answer = await self._decoded("result_blocking", key, timeout_ms, extra_wait=extra)
         return await self._read_shared(answer)
 
     async def get(self, key: QueueKey) -> QueryDefResponse | None:
@@ -591,6 +649,39 @@ class SocketQueueDriver:
 
     async def truncate(self) -> None:
         await self.call("truncate")
+
+
+_PIPELINED_KEPT_S = 5.0  # an answered, unclaimed pipelined long poll is dropped after
+
+
+@dataclasses.dataclass
+class _Pipelined:
+    """A RESULT_BLOCKING sent with its ADD: its answer, when it comes, on `link`."""
+
+    link: _Link
+    wait_id: int
+    waited: asyncio.Future[dict[str, Any]]
+
+    async def reply(self, within: float) -> dict[str, Any] | None:
+        """Its reply; None if its connection was lost (ask again, the ordinary way)."""
+        try:
+            return await wait_within(self.waited, within)
+        except _ConnectionLost:
+            return None
+        except TimeoutError:
+            self.drop()
+            raise CommandTimeoutError(f"result_blocking: no answer in {within}s") from None
+        except asyncio.CancelledError:
+            self.drop()
+            raise
+
+    def drop(self) -> None:
+        self.link.pending.pop(self.wait_id, None)
+        if self.waited.done():
+            if not self.waited.cancelled():
+                self.waited.exception()  # retrieved: no "never retrieved" warning
+        else:
+            self.waited.cancel()
 
 
 @dataclasses.dataclass(eq=False)

@@ -30,9 +30,20 @@ def open_read_only(db: Path) -> Any:
         ) from None
     if not db.is_file():
         raise SystemExit(f"queryqueue: no database file at {db}")
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.5)
     database = sqlite_utils.Database(conn)
-    missing = {"items", "results", "prefix_counts"} - set(database.table_names())
+    try:
+        tables = set(database.table_names())
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        if "locked" not in str(exc):
+            raise SystemExit(f"queryqueue: cannot read {db}: {exc}") from None
+        # A running supervisor holds its database (SQLite's exclusive locking mode).
+        raise SystemExit(
+            f"queryqueue: {db} is held by a running supervisor; ask it instead "
+            "(queryqueue status, or its --http page)"
+        ) from None
+    missing = {"items", "results", "prefix_counts"} - tables
     if missing:
         conn.close()
         raise SystemExit(f"queryqueue: {db} is not a queue database (no {', '.join(missing)})")

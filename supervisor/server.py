@@ -218,6 +218,11 @@ class _Request:
     received: float
     refused: QueueError | None = None  # refused before it reached the store
     dispatch: bool = False  # ADD_AND_RETRIEVE: hand what it retrieves to the pool
+    # An ADD sent with the RESULT_BLOCKING that follows it (its request id, its timeout):
+    # the long poll waits on the id the ADD answers.
+    then_wait: tuple[int, int] | None = None
+    follows: _Request | None = None  # that long poll: the ADD it follows
+    added_id: int | None = None  # the ADD's answered id, once it ran
 
 
 def _file_sizes(path: Any) -> dict[str, int | None]:
@@ -232,6 +237,26 @@ def _file_sizes(path: Any) -> dict[str, int | None]:
             return None
 
     return {"db_bytes": size(str(path)), "wal_bytes": size(f"{path}-wal")}
+
+
+_ADDS = ("add", "add_and_retrieve")
+
+
+def _then_wait(value: Any) -> tuple[int, int] | None:
+    """ADD's `then_wait`: [the request id of the RESULT_BLOCKING to run next, its timeout]."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        or value[1] < 0
+    ):
+        raise InvalidCommandError(
+            "then_wait: takes [a request id, a timeout in ms >= 0] for the RESULT_BLOCKING "
+            "of the id the ADD answers"
+        )
+    return value[0], value[1]
 
 
 def _poll_args(request: _Request) -> tuple[Any, int]:
@@ -486,6 +511,25 @@ class QueueServer:
             return
         if request is None:
             return
+        self._enqueue(request)
+        if request.then_wait is not None and not self.store.blocking:
+            # In the same batch as its ADD, or the next: it reads the id the ADD answered.
+            wait_id, timeout_ms = request.then_wait
+            self._enqueue(
+                _Request(
+                    connection,
+                    wait_id,
+                    "result_blocking",
+                    [None, timeout_ms],
+                    {},
+                    None,
+                    request.received,
+                    follows=request,
+                )
+            )
+
+    def _enqueue(self, request: _Request) -> None:
+        connection = request.connection
         if request.method == "result_blocking":
             polls = len(connection.parked) + connection.polls_queued
             if polls >= connection.limits.max_parked:
@@ -603,6 +647,7 @@ class QueueServer:
             if method not in COMMANDS:
                 raise InvalidCommandError(f"unknown command {method!r}")
         dispatch = method == "add_and_retrieve" and kwargs.pop("dispatch", False) is True
+        then_wait = _then_wait(kwargs.pop("then_wait", None)) if method in _ADDS else None
         if COMMANDS[method].take_process_id and "process_id" not in kwargs:
             kwargs["process_id"] = connection.process_id
         shape = self._shapes.get(method)
@@ -612,7 +657,15 @@ class QueueServer:
         if problem is not None:
             raise InvalidCommandError(f"{method}: wrong arguments ({problem})")
         return _Request(
-            connection, request_id, method, args, kwargs, rows, received, dispatch=dispatch
+            connection,
+            request_id,
+            method,
+            args,
+            kwargs,
+            rows,
+            received,
+            dispatch=dispatch,
+            then_wait=then_wait,
         )
 
     def _soon(self, work: Coroutine[Any, Any, None]) -> None:
@@ -796,10 +849,9 @@ class QueueServer:
         prefix, uid, concurrency = queue.prefix, queue.process_uid, queue.concurrency
         found: list[RetrievedQuery] = []
         try:
-            free = concurrency - len(self.store.active(prefix, process_id=uid))
-            if free <= 0:
-                return found
-            for row in self.store.pending(prefix, process_id=uid, limit=free):
+            # No ACTIVE listing: RETRIEVE itself refuses once the prefix has `concurrency`
+            # active items, and the first refusal ends the round.
+            for row in self.store.pending(prefix, process_id=uid, limit=concurrency):
                 if not may_run_in(row.id, uid):
                     continue
                 got = retrieved_of(
@@ -807,7 +859,10 @@ class QueueServer:
                         f"{prefix}:{row.id}", concurrency=concurrency, extended=True, process_id=uid
                     )
                 )
+                full = len(got.active_keys) >= concurrency
                 if got.query is None or got.queue_id is None or row.id not in got.active_keys:
+                    if full:
+                        break
                     continue  # as the reconcile's process_query skips it
                 found.append(
                     RetrievedQuery(
@@ -819,6 +874,8 @@ class QueueServer:
                         self._record_start(got.queue_id),
                     )
                 )
+                if full:
+                    break
         except QueueError as exc:  # what was retrieved stands; the reconcile does the rest
             _log.warning("retrieving for the pool in the batch failed: %s", exc)
         return found
@@ -896,15 +953,24 @@ class QueueServer:
             return False, request.refused
         try:
             if request.method == "result_blocking":
+                if request.follows is not None:
+                    if request.follows.added_id is None:
+                        raise InvalidCommandError("result_blocking: the ADD it follows failed")
+                    request.args[0] = request.follows.added_id
                 found, waiter = self.store.result_blocking_start(*request.args, **request.kwargs)
                 return True, found if waiter is None else waiter
-            return True, getattr(self.store, request.method)(*request.args, **request.kwargs)
+            answer = getattr(self.store, request.method)(*request.args, **request.kwargs)
+            if request.then_wait is not None:
+                request.added_id = answer.id
+            return True, answer
         except QueueError as exc:
             return False, exc
         except Exception as exc:  # a bug must not take the server down with it
             return False, StoreError(f"{request.method} failed: {exc!r}")
 
     def _answer(self, request: _Request, ok: bool, answer: Any, poke: bool = True) -> None:
+        if request.then_wait is not None and self.store.blocking:
+            self._wait_after(request, answer.id if ok else None)
         command = COMMANDS.get(request.method)
         if ok and command is not None and (command.adds or command.frees_slot) and self.pool:
             if poke:
@@ -978,6 +1044,20 @@ class QueueServer:
             return answer
         # Its segment went back to the pool (a late re-read): as if there were no result.
         return None
+
+    def _wait_after(self, add: _Request, added_id: int | None) -> None:
+        """A blocking store's long poll sent with its ADD: once the ADD is answered."""
+        assert add.then_wait is not None
+        wait_id, timeout_ms = add.then_wait
+        follow = _Request(
+            add.connection, wait_id, "result_blocking", [added_id, timeout_ms], {}, None,
+            time.monotonic(),
+        )  # fmt: skip
+        if added_id is None:
+            error = InvalidCommandError("result_blocking: the ADD it follows failed")
+            follow.connection.send({"id": wait_id, "error": error_payload(error)})
+            return
+        self._enqueue(follow)
 
     async def _wait_parked(self, request: _Request, waiter: Waiter) -> None:
         """A long poll whose first look (in a batch) found nothing: its ACK's event, or

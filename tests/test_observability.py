@@ -285,6 +285,15 @@ def test_inspect_reads_a_database_whose_supervisor_was_killed(workdir: Path) -> 
     try:
         listed = asyncio.run(_listed(again))
         assert listed == 2
+        # While it runs it holds the file (one writer, its locks held): inspect says so.
+        done = subprocess.run(
+            [sys.executable, "-m", "queryqueue", "inspect", "--db", str(db)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert done.returncode != 0 and "held by a running supervisor" in done.stderr
     finally:
         assert again.stop() == 0
 

@@ -151,8 +151,10 @@ async def test_identical_concurrent_calls_execute_once(
     callers = [
         asyncio.create_task(queue.execute_in_queue("sql", "same-key", {"n": 1})) for _ in range(12)
     ]
-    # every caller has joined the one item and is parked on its result
+    # every caller has joined the one item and is parked on its result (a long poll may
+    # park with its ADD, before the reconcile starts the item), and the item runs once
     await wait_until(lambda: _waiting(queue, 12))
+    await wait_until(lambda: rec.calls, what="the one item running")
     assert len(rec.calls) == 1
     rec.gate.set()
     results = await asyncio.gather(*callers)

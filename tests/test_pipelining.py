@@ -1,0 +1,139 @@
+"""A request process sends its ADD and the RESULT_BLOCKING that follows it in one frame
+(`then_wait`): the supervisor runs the long poll on the id the ADD answers, in the same
+batch (a blocking store: as soon as the ADD is answered), and the caller's later
+`result_blocking` is answered from it, with no second command."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from queryqueue import InvalidCommandError, MemoryQueueStore, QueueStore, SqliteQueueStore
+from queryqueue.engine.driver import LocalQueueDriver
+from queryqueue.engine.queue import QueryQueue
+from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.supervisor.server import QueueServer
+from tests.waiting import wait_until
+
+
+def _store(kind: str, tmp_path: Path) -> QueueStore:
+    if kind == "memory":
+        return MemoryQueueStore()
+    if kind == "sqlite":
+        return SqliteQueueStore(tmp_path / "q.db")
+    from tests.postgres_util import postgres_store
+
+    return postgres_store()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+async def served(
+    request: pytest.FixtureRequest, workdir: Path, tmp_path: Path
+) -> AsyncIterator[QueueServer]:
+    store = _store(request.param, tmp_path)
+    server = QueueServer(store, workdir / "s.sock")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+        store.close()
+
+
+async def _sent(driver: SocketQueueDriver, command: str) -> int:
+    commands = (await driver.stats())["commands"]
+    return int(commands.get(command, {}).get("count", 0))
+
+
+async def test_the_long_poll_sent_with_its_add_waits_and_answers_the_later_call(
+    served: QueueServer,
+) -> None:
+    caller, worker = SocketQueueDriver(served.socket_path), SocketQueueDriver(served.socket_path)
+    try:
+        added = await caller.add("p:k", orjson.dumps({"q": 1}).decode(), then_wait_ms=10_000)
+        assert added.added
+        # Parked on the supervisor before the caller asked for it.
+        await wait_until(
+            lambda: _long_polls(caller, 1), what="the pipelined long poll parked at the supervisor"
+        )
+        polls_before = await _sent(caller, "result_blocking")
+        assert (await worker.ack(added.id, '{"result": 42}')).success
+        got = await caller.result_blocking(added.id, 10_000)
+        assert got is not None and orjson.loads(got.payload or "null") == {"result": 42}
+        # One long poll answered (they are counted when answered): no second one was sent.
+        assert await _sent(caller, "result_blocking") == polls_before + 1
+        # Answered by id, as the ordinary long poll is: the result still reads by id.
+        assert await caller.result(added.id) is not None
+    finally:
+        await caller.close()
+        await worker.close()
+
+
+async def _long_polls(driver: SocketQueueDriver, count: int) -> bool:
+    return int((await driver.stats())["long_polls"]) == count
+
+
+async def test_a_result_already_there_answers_the_pipelined_poll_at_once(
+    served: QueueServer,
+) -> None:
+    driver = SocketQueueDriver(served.socket_path)
+    try:
+        first = await driver.add("p:k", "{}")
+        await driver.ack(first.id, '{"result": 1}')
+        # `if_no_result`: the unread result's item is the id to read.
+        again = await driver.add("p:k", "{}", if_no_result=True, then_wait_ms=10_000)
+        got = await driver.result_blocking(again.id, 10_000)
+        assert got is not None and got.payload == '{"result": 1}'
+    finally:
+        await driver.close()
+
+
+async def test_a_failing_add_leaves_no_long_poll_behind(served: QueueServer) -> None:
+    driver = SocketQueueDriver(served.socket_path)
+    try:
+        with pytest.raises(InvalidCommandError, match="payload"):
+            await driver.add("p:k", "not json", then_wait_ms=10_000)
+        assert driver._pipelined == {}
+        await wait_until(lambda: _long_polls(driver, 0), what="no long poll left parked")
+        assert (await driver.add("p:k", "{}")).added  # the connection goes on
+    finally:
+        await driver.close()
+
+
+async def test_a_malformed_then_wait_is_refused_by_name(server: QueueServer) -> None:
+    driver = SocketQueueDriver(server.socket_path)
+    try:
+        for bad in ([1], ["x", 10], [1, -5], {"id": 1}):
+            with pytest.raises(InvalidCommandError, match="then_wait"):
+                await driver.call("add", "p:k", "{}", then_wait=bad)
+        assert await driver.list_items("p") == []  # nothing was added by a refused ADD
+    finally:
+        await driver.close()
+
+
+async def test_the_request_side_announces_its_long_poll_with_the_add() -> None:
+    """What `execute_in_queue` tells its driver: the timeout of the long poll it makes
+    next (none for a job, which waits for nothing)."""
+    seen: list[Any] = []
+
+    class Recording(LocalQueueDriver):
+        async def add(self, *args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("then_wait_ms"))
+            return await super().add(*args, **kwargs)
+
+    async def handler(query: Any, set_cancel_handler: Any) -> int:
+        return 1
+
+    queue = QueryQueue(
+        "p", query_handlers={"q": handler}, driver=Recording(), continue_wait_timeout=2.5
+    )
+    try:
+        assert await queue.execute_in_queue("q", "k", {}) == 1
+        assert await queue.execute_in_queue("q", "j", {"isJob": True}) is None
+    finally:
+        await queue.shutdown(grace=0)
+    assert seen == [2500, None]
