@@ -425,13 +425,17 @@ class WorkerPool:
                     else:
                         worker.job = None
 
-    @staticmethod
-    def _takes(worker: _Worker, ahead: bool) -> bool:
+    def _takes(self, worker: _Worker, ahead: bool) -> bool:
         if worker.draining_since is not None or worker.retiring or not worker.process.is_alive():
             return False
         if not ahead:
             return worker.job is None
-        return worker.job is not None and worker.job.acked and worker.next is None
+        return (
+            worker.job is not None
+            and worker.job.acked
+            and worker.next is None
+            and not self._due_to_retire(worker, quiet=True)  # its next runs in a fresh one
+        )
 
     def _on_message(self, worker: _Worker) -> None:
         try:
@@ -459,13 +463,16 @@ class WorkerPool:
                 worker.job.started_at = asyncio.get_running_loop().time()
             worker.draining_since = None
             worker.executed += 1
-            if (
-                self.max_tasks_per_worker and worker.executed >= self.max_tasks_per_worker
-            ) or self._over_memory(worker):
+            if self._due_to_retire(worker, quiet=False, done=0):
                 self._retire(worker)
         self._assign()
 
-    def _over_memory(self, worker: _Worker) -> bool:
+    def _due_to_retire(self, worker: _Worker, *, quiet: bool, done: int = 1) -> bool:
+        """Whether the worker is retired once its job is done (`done`: that job is not
+        counted in `executed` yet): at its task limit, or over its memory limit."""
+        limit = self.max_tasks_per_worker
+        if limit and worker.executed + done >= limit:
+            return True
         if self.max_memory_per_worker is None:
             return False
         try:
@@ -474,7 +481,8 @@ class WorkerPool:
             return False
         if rss <= self.max_memory_per_worker:
             return False
-        _log.info("worker %s uses %d bytes: recycled", worker.process.pid, rss)
+        if not quiet:
+            _log.info("worker %s uses %d bytes: recycled", worker.process.pid, rss)
         return True
 
     def _retire(self, worker: _Worker) -> None:

@@ -25,7 +25,6 @@ from typing import Any
 
 import orjson
 
-from queryqueue.engine.aio import wait_within
 from queryqueue.engine.commands import served
 from queryqueue.engine.connection import decode_def, retrieved_of
 from queryqueue.engine.errors import (
@@ -42,6 +41,7 @@ from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
 from queryqueue.engine.waiters import Waiter
 from queryqueue.supervisor import cube_results, guard, sqltext
+from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
     DEFAULT_MAX_FRAME,
@@ -135,7 +135,7 @@ class _Connection:
     authenticated: bool = True
     hang_up: bool = False  # refused: answered, then closed
     process_id: str | None = None
-    parked: set[asyncio.Task[None]] = field(default_factory=set)
+    parked: set[asyncio.Task[None] | ParkedPoll] = field(default_factory=set)
     closed: bool = False
     # Answers of one loop iteration (a batch) leave in one write: a syscall per answer
     # was a fifth of the supervisor's time.
@@ -929,7 +929,7 @@ class QueueServer:
             if request.method == "result_blocking" and not self.store.blocking:
                 request.connection.polls_queued -= 1
                 if ok and isinstance(answer, Waiter):
-                    self._park(request, asyncio.ensure_future(self._wait_parked(request, answer)))
+                    self._park_poll(request, answer)
                     continue
             self.stats.record(request.method, now - request.received, ok)
             if metrics is not None:
@@ -1059,24 +1059,21 @@ class QueueServer:
             return
         self._enqueue(follow)
 
-    async def _wait_parked(self, request: _Request, waiter: Waiter) -> None:
-        """A long poll whose first look (in a batch) found nothing: its ACK's event, or
-        None at its timeout (or at shutdown or hang-up)."""
+    def _park_poll(self, request: _Request, waiter: Waiter) -> None:
+        """A long poll whose first look found nothing waits for its ACK's event (at
+        shutdown: answered at once, with its timeout answer)."""
         key, timeout_ms = _poll_args(request)
-        answer: Any = None
-        try:
-            event = await wait_within(waiter.future, timeout_ms / 1000)
-            answer = self.store.result_blocking_woken(key, event)
-        except (TimeoutError, asyncio.CancelledError):
-            pass
-        except QueueError as exc:
-            self.stats.record(request.method, time.monotonic() - request.received, False)
-            self._answer(request, False, exc)
-            return
-        finally:
-            self.store.waiters.unsubscribe(waiter)
-        self.stats.record(request.method, time.monotonic() - request.received, True)
-        self._answer(request, True, answer)
+        parked = request.connection.parked
+
+        def finish(ok: bool, answer: Any) -> None:
+            parked.discard(poll)
+            self.stats.record(request.method, time.monotonic() - request.received, ok)
+            self._answer(request, ok, answer)
+
+        poll = ParkedPoll(self.store, key, timeout_ms, waiter, finish)
+        parked.add(poll)
+        if self._stopping or request.connection.closed:
+            poll.cancel()
 
     async def _result_blocking(self, request: _Request) -> None:
         try:
