@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import logging
 import os
@@ -24,7 +25,6 @@ from typing import Any
 
 import orjson
 
-from queryqueue.engine.aio import wait_within
 from queryqueue.engine.binary import BinaryResult, Outcome, from_bytes
 from queryqueue.engine.commands import served
 from queryqueue.engine.errors import (
@@ -72,6 +72,10 @@ COMMANDS = served()
 _SUPERVISOR_SAFE = {"stats", "ping", "shm_release", "shm_view", "watch"}
 
 
+class _Overdue(Exception):
+    """A request's deadline passed unanswered."""
+
+
 class _ConnectionLost(Exception):
     pass
 
@@ -109,6 +113,37 @@ class _Link:
         self.task = asyncio.ensure_future(self._read(max_frame))
         self.alive = True
         self.outbox: list[bytes] = []
+        # Every request's deadline in one heap, behind one timer (not a timer and an
+        # `asyncio.wait` per call): (loop time, request id); an answered id is skipped.
+        self._deadlines: list[tuple[float, int]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    def answer_within(self, request_id: int, seconds: float) -> None:
+        """Fail the request with _Overdue if it is not answered within `seconds`."""
+        loop = asyncio.get_running_loop()
+        at = loop.time() + seconds
+        if len(self._deadlines) > 4 * len(self.pending) + 1024:
+            # Mostly answered ids: keep only those still waiting (amortized, no timer churn).
+            self._deadlines = [d for d in self._deadlines if d[1] in self.pending]
+            heapq.heapify(self._deadlines)
+        heapq.heappush(self._deadlines, (at, request_id))
+        if self._timer is None or at < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = loop.call_at(at, self._overdue), at
+
+    def _overdue(self) -> None:
+        loop = asyncio.get_running_loop()
+        now, self._timer = loop.time(), None
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            future = self.pending.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(_Overdue())
+        if self._deadlines:
+            self._timer_at = self._deadlines[0][0]
+            self._timer = loop.call_at(self._timer_at, self._overdue)
 
     async def _read(self, max_frame: int) -> None:
         try:
@@ -152,6 +187,8 @@ class _Link:
 
     def close(self) -> None:
         self.alive = False
+        if self._timer is not None:
+            self._timer.cancel()
         self.task.cancel()
         with contextlib.suppress(Exception):
             self.writer.close()
@@ -299,10 +336,11 @@ class SocketQueueDriver:
             link.pending.pop(request_id, None)
             raise _ConnectionLost()
         link.send(encode_frame({**message, "id": request_id}))
+        if answer_within is not None:
+            link.answer_within(request_id, answer_within)
         try:
-            return await wait_within(future, answer_within)
-        except TimeoutError:
-            link.pending.pop(request_id, None)
+            return await future
+        except _Overdue:
             raise CommandTimeoutError(
                 f"{message.get('cmd') or 'command'}: no answer in {answer_within}s"
             ) from None
@@ -664,11 +702,13 @@ class _Pipelined:
 
     async def reply(self, within: float) -> dict[str, Any] | None:
         """Its reply; None if its connection was lost (ask again, the ordinary way)."""
+        if not self.waited.done():
+            self.link.answer_within(self.wait_id, within)
         try:
-            return await wait_within(self.waited, within)
+            return await self.waited
         except _ConnectionLost:
             return None
-        except TimeoutError:
+        except _Overdue:
             self.drop()
             raise CommandTimeoutError(f"result_blocking: no answer in {within}s") from None
         except asyncio.CancelledError:

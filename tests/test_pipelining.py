@@ -5,6 +5,7 @@ batch (a blocking store: as soon as the ADD is answered), and the caller's later
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -137,3 +138,43 @@ async def test_the_request_side_announces_its_long_poll_with_the_add() -> None:
     finally:
         await queue.shutdown(grace=0)
     assert seen == [2500, None]
+
+
+async def test_requests_time_out_on_one_deadline_heap_and_the_link_goes_on(
+    workdir: Path,
+) -> None:
+    """Every request's deadline sits in its connection's one heap, behind one timer: the
+    unanswered ones fail with CommandTimeoutError at their deadline, nothing of them is
+    left pending, and the connection still answers what is answered."""
+    from queryqueue import CommandTimeoutError
+    from queryqueue.supervisor.protocol import encode_frame, read_frame
+
+    async def half_deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Answers hello and ping; swallows everything else.
+        try:
+            while True:
+                body = await read_frame(reader, 1 << 20)
+                if body is None:
+                    break
+                message = orjson.loads(body)
+                if message.get("cmd") in ("hello", "ping"):
+                    ok = "pong" if message["cmd"] == "ping" else {"pid": 0, "pool": []}
+                    writer.write(encode_frame({"id": message["id"], "ok": ok}))
+        finally:
+            writer.close()
+
+    path = workdir / "deaf.sock"
+    listener = await asyncio.start_unix_server(half_deaf, str(path))
+    driver = SocketQueueDriver(path, request_timeout=0.3)
+    try:
+        calls = [asyncio.ensure_future(driver.get(f"p:k{i}")) for i in range(50)]
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+        timed_out = [o for o in outcomes if isinstance(o, CommandTimeoutError)]
+        assert len(timed_out) == 50, outcomes
+        link = driver._link
+        assert link is not None and link.pending == {}
+        assert await driver.ping() == "pong"
+    finally:
+        await driver.close()
+        listener.close()
+        await listener.wait_closed()
