@@ -455,18 +455,9 @@ class SocketQueueDriver:
         if_no_result: bool = False,
         then_wait_ms: int | None = None,
     ) -> AddToQueueResponse:
+        options = _add_options(priority, orphaned, external_id, exclusive, process_id, if_no_result)
         answer: AddToQueueResponse = await self._adding(
-            "add",
-            [path, payload],
-            {
-                "priority": priority,
-                "orphaned": orphaned,
-                "external_id": external_id,
-                "exclusive": exclusive,
-                "process_id": process_id,
-                **({"if_no_result": True} if if_no_result else {}),
-            },
-            then_wait_ms,
+            "add", [path, payload], options, then_wait_ms
         )
         return answer
 
@@ -487,18 +478,11 @@ class SocketQueueDriver:
         await self._connected()  # its hello says which prefixes the pool runs
         # The supervisor hands what it retrieves to its pool itself: no hand-off round trip.
         dispatch = not exclusive and path.rpartition(":")[0] in self.pool_prefixes
+        options = _add_options(priority, orphaned, external_id, exclusive, process_id, if_no_result)
         answer: AddAndRetrieveResponse = await self._adding(
             "add_and_retrieve",
             [path, payload, concurrency],
-            {
-                **({"dispatch": True} if dispatch else {}),
-                "priority": priority,
-                "orphaned": orphaned,
-                "external_id": external_id,
-                "exclusive": exclusive,
-                "process_id": process_id,
-                **({"if_no_result": True} if if_no_result else {}),
-            },
+            {**({"dispatch": True} if dispatch else {}), **options},
             then_wait_ms,
         )
         return answer
@@ -687,6 +671,26 @@ class SocketQueueDriver:
 
     async def truncate(self) -> None:
         await self.call("truncate")
+
+
+def _add_options(
+    priority: int,
+    orphaned: float | None,
+    external_id: str | None,
+    exclusive: bool,
+    process_id: str | None,
+    if_no_result: bool,
+) -> dict[str, Any]:
+    """ADD's keyword arguments as they travel (`if_no_result` only when set: a Cube
+    client's supervisor knows nothing of it)."""
+    return {
+        "priority": priority,
+        "orphaned": orphaned,
+        "external_id": external_id,
+        "exclusive": exclusive,
+        "process_id": process_id,
+        **({"if_no_result": True} if if_no_result else {}),
+    }
 
 
 _PIPELINED_KEPT_S = 5.0  # an answered, unclaimed pipelined long poll is dropped after

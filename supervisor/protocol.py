@@ -8,7 +8,9 @@ Reply:    {"id": 7, "ok": {"id": 1, "added": true, "pending": 1}}
           {"id": 8, "rows": [{"id": "k", "queue_id": "1", "status": "pending", "extra": null}]}
           {"id": 9, "error": {"type": "InvalidCommandError", "message": "priority should be ..."}}
 
-Requests may be pipelined and are answered in any order (match replies by `id`).
+Requests may be pipelined and are answered in any order (match replies by `id`). An ADD
+may carry the long poll that follows it, answered under its own id once the result is in:
+          {"id": 10, "cmd": "add", "args": ["p:k", "{}"], "kwargs": {"then_wait": [11, 5000]}}
 """
 
 from __future__ import annotations

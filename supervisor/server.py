@@ -223,6 +223,7 @@ class _Request:
     then_wait: tuple[int, int] | None = None
     follows: _Request | None = None  # that long poll: the ADD it follows
     added_id: int | None = None  # the ADD's answered id, once it ran
+    started_ms: int | None = None  # the fast track: startQueryTime, recorded in its batch
 
 
 def _file_sizes(path: Any) -> dict[str, int | None]:
@@ -719,7 +720,9 @@ class QueueServer:
         except RuntimeError as exc:
             raise InvalidCommandError(f"dispatch: {exc}") from None
 
-    def _dispatch_retrieved(self, path: str, answer: AddAndRetrieveResponse) -> Any:
+    def _dispatch_retrieved(
+        self, path: str, answer: AddAndRetrieveResponse, started_ms: int | None
+    ) -> Any:
         """The fast track: what ADD_AND_RETRIEVE retrieved (committed) goes to the pool
         now, in this loop turn. The query is the store's own answer, not the client's."""
         if self.pool is None or answer.extra is not None:
@@ -732,7 +735,10 @@ class QueueServer:
             return answer
         try:
             self.pool.submit(
-                prefix, RetrievedQuery(query_key_hash, answer.id, answer.id, answer.pending, query)
+                prefix,
+                RetrievedQuery(
+                    query_key_hash, answer.id, answer.id, answer.pending, query, started_ms
+                ),
             )
         except RuntimeError:
             return answer  # stopping: the client's own hand-off fails the same way, and says so
@@ -962,6 +968,9 @@ class QueueServer:
             answer = getattr(self.store, request.method)(*request.args, **request.kwargs)
             if request.then_wait is not None:
                 request.added_id = answer.id
+            if request.dispatch and answer.payload is not None and answer.extra is None:
+                # The fast track's startQueryTime, as the pool's own retrieval records it.
+                request.started_ms = self._record_start(answer.id)
             return True, answer
         except QueueError as exc:
             return False, exc
@@ -978,7 +987,7 @@ class QueueServer:
             if request.method == "cancel" and answer is not None and request.args:
                 self.pool.removed(request.args[0])  # its worker hears of it now
         if ok and request.dispatch and answer.payload is not None:
-            answer = self._dispatch_retrieved(request.args[0], answer)
+            answer = self._dispatch_retrieved(request.args[0], answer, request.started_ms)
         if ok and request.method == "ack" and len(request.args) == 2:
             self.segments.acked(request.args[1], bool(answer.success))
         elif ok and answer is not None and request.method in ("result", "result_blocking"):

@@ -513,6 +513,9 @@ async def test_the_fast_track_is_dispatched_by_the_supervisor_in_two_round_trips
     assert sent("add_and_retrieve") == 1
     assert sent("result_blocking") == 1
     assert sent("dispatch") == 0 and sent("result") == 0 and sent("add") == 0
+    # startQueryTime was recorded in the batch that retrieved it: the one MERGE_EXTRA is
+    # the handler's cancel handler.
+    assert sent("merge_extra") == 1
 
 
 async def test_the_retrieving_batch_records_when_a_queued_query_started(
