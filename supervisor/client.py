@@ -500,6 +500,7 @@ class SocketQueueDriver:
         wait_id = next(self._ids)
         waited: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         link.pending[wait_id] = waited
+        pipelined = _Pipelined(link, wait_id, waited)
         message = {
             "cmd": method,
             "args": args,
@@ -508,16 +509,16 @@ class SocketQueueDriver:
         try:
             reply = await self._exchange(link, message, self.request_timeout)
         except _ConnectionLost:
-            link.pending.pop(wait_id, None)
+            pipelined.drop()
             return await self._decoded(method, *args, **kwargs)
         except BaseException:
-            _Pipelined(link, wait_id, waited).drop()
+            pipelined.drop()
             raise
         if "error" in reply:
-            _Pipelined(link, wait_id, waited).drop()
+            pipelined.drop()
             raise_error(reply["error"])
         answer = DECODERS[method](reply.get("ok"))
-        self._keep_pipelined((answer.id, then_wait_ms), _Pipelined(link, wait_id, waited))
+        self._keep_pipelined((answer.id, then_wait_ms), pipelined)
         return answer
 
     def _keep_pipelined(self, key: tuple[QueueKey, int], pipelined: _Pipelined) -> None:

@@ -240,9 +240,6 @@ def _file_sizes(path: Any) -> dict[str, int | None]:
     return {"db_bytes": size(str(path)), "wal_bytes": size(f"{path}-wal")}
 
 
-_ADDS = ("add", "add_and_retrieve")
-
-
 def _then_wait(value: Any) -> tuple[int, int] | None:
     """ADD's `then_wait`: [the request id of the RESULT_BLOCKING to run next, its timeout]."""
     if value is None:
@@ -258,6 +255,26 @@ def _then_wait(value: Any) -> tuple[int, int] | None:
             "of the id the ADD answers"
         )
     return value[0], value[1]
+
+
+def _follow_up(add: _Request) -> _Request:
+    """The RESULT_BLOCKING sent with `add` (`then_wait`): its key is the id the ADD
+    answers, filled in by `_follow_key` once the ADD has run."""
+    assert add.then_wait is not None
+    wait_id, timeout_ms = add.then_wait
+    return _Request(
+        add.connection, wait_id, "result_blocking", [None, timeout_ms], {}, None, add.received,
+        follows=add,
+    )  # fmt: skip
+
+
+def _follow_key(request: _Request) -> None:
+    add = request.follows
+    if add is None:
+        return
+    if add.added_id is None:
+        raise InvalidCommandError("result_blocking: the ADD it follows failed")
+    request.args[0] = add.added_id
 
 
 def _poll_args(request: _Request) -> tuple[Any, int]:
@@ -515,19 +532,7 @@ class QueueServer:
         self._enqueue(request)
         if request.then_wait is not None and not self.store.blocking:
             # In the same batch as its ADD, or the next: it reads the id the ADD answered.
-            wait_id, timeout_ms = request.then_wait
-            self._enqueue(
-                _Request(
-                    connection,
-                    wait_id,
-                    "result_blocking",
-                    [None, timeout_ms],
-                    {},
-                    None,
-                    request.received,
-                    follows=request,
-                )
-            )
+            self._enqueue(_follow_up(request))
 
     def _enqueue(self, request: _Request) -> None:
         connection = request.connection
@@ -648,7 +653,7 @@ class QueueServer:
             if method not in COMMANDS:
                 raise InvalidCommandError(f"unknown command {method!r}")
         dispatch = method == "add_and_retrieve" and kwargs.pop("dispatch", False) is True
-        then_wait = _then_wait(kwargs.pop("then_wait", None)) if method in _ADDS else None
+        then_wait = _then_wait(kwargs.pop("then_wait", None)) if COMMANDS[method].adds else None
         if COMMANDS[method].take_process_id and "process_id" not in kwargs:
             kwargs["process_id"] = connection.process_id
         shape = self._shapes.get(method)
@@ -720,16 +725,23 @@ class QueueServer:
         except RuntimeError as exc:
             raise InvalidCommandError(f"dispatch: {exc}") from None
 
+    def _fast_tracked(self, request: _Request, answer: Any) -> bool:
+        """ADD_AND_RETRIEVE asked to `dispatch` and retrieved an item this pool runs."""
+        return (
+            request.dispatch
+            and self.pool is not None
+            and answer.payload is not None
+            and answer.extra is None
+            and request.args[0].rpartition(":")[0] == self.pool.prefix
+        )
+
     def _dispatch_retrieved(
         self, path: str, answer: AddAndRetrieveResponse, started_ms: int | None
     ) -> Any:
         """The fast track: what ADD_AND_RETRIEVE retrieved (committed) goes to the pool
         now, in this loop turn. The query is the store's own answer, not the client's."""
-        if self.pool is None or answer.extra is not None:
-            return answer
+        assert self.pool is not None
         prefix, _, query_key_hash = path.rpartition(":")
-        if prefix != self.pool.prefix:
-            return answer
         query = orjson.loads(answer.payload) if answer.payload is not None else None
         if not isinstance(query, dict):
             return answer
@@ -959,16 +971,13 @@ class QueueServer:
             return False, request.refused
         try:
             if request.method == "result_blocking":
-                if request.follows is not None:
-                    if request.follows.added_id is None:
-                        raise InvalidCommandError("result_blocking: the ADD it follows failed")
-                    request.args[0] = request.follows.added_id
+                _follow_key(request)
                 found, waiter = self.store.result_blocking_start(*request.args, **request.kwargs)
                 return True, found if waiter is None else waiter
             answer = getattr(self.store, request.method)(*request.args, **request.kwargs)
             if request.then_wait is not None:
                 request.added_id = answer.id
-            if request.dispatch and answer.payload is not None and answer.extra is None:
+            if self._fast_tracked(request, answer):
                 # The fast track's startQueryTime, as the pool's own retrieval records it.
                 request.started_ms = self._record_start(answer.id)
             return True, answer
@@ -979,14 +988,14 @@ class QueueServer:
 
     def _answer(self, request: _Request, ok: bool, answer: Any, poke: bool = True) -> None:
         if request.then_wait is not None and self.store.blocking:
-            self._wait_after(request, answer.id if ok else None)
+            self._wait_after(request)
         command = COMMANDS.get(request.method)
         if ok and command is not None and (command.adds or command.frees_slot) and self.pool:
             if poke:
                 self.pool.poke(freed=command.frees_slot)
             if request.method == "cancel" and answer is not None and request.args:
                 self.pool.removed(request.args[0])  # its worker hears of it now
-        if ok and request.dispatch and answer.payload is not None:
+        if ok and self._fast_tracked(request, answer):
             answer = self._dispatch_retrieved(request.args[0], answer, request.started_ms)
         if ok and request.method == "ack" and len(request.args) == 2:
             self.segments.acked(request.args[1], bool(answer.success))
@@ -1054,17 +1063,13 @@ class QueueServer:
         # Its segment went back to the pool (a late re-read): as if there were no result.
         return None
 
-    def _wait_after(self, add: _Request, added_id: int | None) -> None:
+    def _wait_after(self, add: _Request) -> None:
         """A blocking store's long poll sent with its ADD: once the ADD is answered."""
-        assert add.then_wait is not None
-        wait_id, timeout_ms = add.then_wait
-        follow = _Request(
-            add.connection, wait_id, "result_blocking", [added_id, timeout_ms], {}, None,
-            time.monotonic(),
-        )  # fmt: skip
-        if added_id is None:
-            error = InvalidCommandError("result_blocking: the ADD it follows failed")
-            follow.connection.send({"id": wait_id, "error": error_payload(error)})
+        follow = _follow_up(add)
+        try:
+            _follow_key(follow)
+        except InvalidCommandError as exc:
+            follow.connection.send({"id": follow.id, "error": error_payload(exc)})
             return
         self._enqueue(follow)
 
