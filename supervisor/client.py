@@ -236,8 +236,9 @@ class SocketQueueDriver:
         self.pool_prefixes: frozenset[str] = frozenset()
         self._slot_watchers: dict[str, set[Callable[[], None]]] = {}
         # RESULT_BLOCKINGs sent with their ADD (`then_wait_ms`), by (queue id, timeout),
-        # until the caller asks for them.
-        self._pipelined: dict[tuple[QueueKey, int], _Pipelined] = {}
+        # until the caller asks for them: oldest first, since callers of this process that
+        # joined one item (dedup) each sent one and each claims one.
+        self._pipelined: dict[tuple[QueueKey, int], list[_Pipelined]] = {}
 
     # -- connection --------------------------------------------------------------------------
 
@@ -522,16 +523,28 @@ class SocketQueueDriver:
         return answer
 
     def _keep_pipelined(self, key: tuple[QueueKey, int], pipelined: _Pipelined) -> None:
-        self._pipelined[key] = pipelined
+        self._pipelined.setdefault(key, []).append(pipelined)
 
         def forget() -> None:  # answered and never asked for: nobody will
-            if self._pipelined.get(key) is pipelined:
-                del self._pipelined[key]
+            kept = self._pipelined.get(key, [])
+            if pipelined in kept:
+                kept.remove(pipelined)
+                if not kept:
+                    del self._pipelined[key]
                 pipelined.drop()
 
         pipelined.waited.add_done_callback(
             lambda _: asyncio.get_running_loop().call_later(_PIPELINED_KEPT_S, forget)
         )
+
+    def _claim_pipelined(self, key: tuple[QueueKey, int]) -> _Pipelined | None:
+        kept = self._pipelined.get(key)
+        if not kept:
+            return None
+        pipelined = kept.pop(0)
+        if not kept:
+            del self._pipelined[key]
+        return pipelined
 
     async def retrieve(
         self,
@@ -605,7 +618,7 @@ class SocketQueueDriver:
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         extra = timeout_ms / 1000 if isinstance(timeout_ms, int) and timeout_ms > 0 else 0.0
-        pipelined = self._pipelined.pop((key, timeout_ms), None)
+        pipelined = self._claim_pipelined((key, timeout_ms))
         reply = None if pipelined is None else await pipelined.reply(self.request_timeout + extra)
         if reply is not None:
             if "error" in reply:
@@ -697,7 +710,7 @@ def _add_options(
 _PIPELINED_KEPT_S = 5.0  # an answered, unclaimed pipelined long poll is dropped after
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Pipelined:
     """A RESULT_BLOCKING sent with its ADD: its answer, when it comes, on `link`."""
 

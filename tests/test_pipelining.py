@@ -93,6 +93,35 @@ async def test_a_result_already_there_answers_the_pipelined_poll_at_once(
         await driver.close()
 
 
+async def test_callers_of_one_process_joining_one_item_each_claim_their_own_long_poll(
+    served: QueueServer,
+) -> None:
+    """Dedup inside one request process: several callers add the same key through one
+    driver, with the same timeout. Each pipelined long poll is claimed by one of them;
+    none is sent twice, none is left parked for nobody."""
+    driver, worker = SocketQueueDriver(served.socket_path), SocketQueueDriver(served.socket_path)
+    try:
+        added = await asyncio.gather(
+            *(driver.add("p:same", "{}", then_wait_ms=10_000) for _ in range(6))
+        )
+        assert len({a.id for a in added}) == 1
+        await wait_until(lambda: _long_polls(driver, 6), what="six pipelined long polls parked")
+        polls_before = await _sent(driver, "result_blocking")
+        waits = [
+            asyncio.ensure_future(driver.result_blocking(added[0].id, 10_000)) for _ in range(6)
+        ]
+        await asyncio.sleep(0)  # each has claimed its poll or sent one of its own
+        assert (await driver.stats())["long_polls"] == 6
+        assert (await worker.ack(added[0].id, '{"result": 7}')).success
+        got = await asyncio.gather(*waits)
+        assert [g.payload if g else None for g in got] == ['{"result": 7}'] * 6
+        assert await _sent(driver, "result_blocking") == polls_before + 6
+        assert driver._pipelined == {}
+    finally:
+        await driver.close()
+        await worker.close()
+
+
 async def test_a_failing_add_leaves_no_long_poll_behind(served: QueueServer) -> None:
     driver = SocketQueueDriver(served.socket_path)
     try:
