@@ -3,7 +3,9 @@
 The rules are the base class's, as for every store; this module holds all the SQL. What
 each guarantee rests on:
 
-* every command is one transaction (READ COMMITTED);
+* every command is one transaction (READ COMMITTED), or, in the supervisor, a savepoint
+  of its batch's: what arrived for one prefix while its last batch ran commits together,
+  one COMMIT (one WAL flush) for all of it (`batch`);
 * decisions that depend on a prefix's counts (RETRIEVE, ADD_AND_RETRIEVE, and ADD, which
   changes them) hold a transaction-scoped advisory lock on the prefix, taken before any
   row lock, so the concurrency budget holds across hosts and transactions never wait on
@@ -13,9 +15,10 @@ each guarantee rests on:
 * RESULT_BLOCKING waiters of every host are woken by a NOTIFY that the ACK sends in its
   own transaction (delivered at commit); a notification missed (a listener reconnecting)
   costs at most `recheck_ms`, the bounded re-check of the store;
-* a command whose connection broke before its COMMIT was sent is re-run on a fresh
-  connection (it had no effect); one that broke during COMMIT is looked up by its
-  transaction id (`txid_status`): committed, its answer stands; aborted, it is re-run;
+* a command (or a batch, whole) whose connection broke before its COMMIT was sent is
+  re-run on a fresh connection (it had no effect); one that broke during COMMIT is looked
+  up by its transaction id (`txid_status`): committed, its answers stand; aborted, it is
+  re-run;
 * in-process wake-ups run after the COMMIT, never before (`_after_commit`);
 * a server that stops answering is noticed by the watchdog (watchdog.py), not waited for.
 
@@ -67,6 +70,10 @@ RECONNECT_ATTEMPTS = 4
 RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a second
 _NO_SAVEPOINT = contextlib.nullcontext()
 LISTEN_CHECK_S = 5.0
+_IDLE, _INTRANS = psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS
+_SAVEPOINT = "SAVEPOINT command"
+_NEXT_SAVEPOINT = "RELEASE SAVEPOINT command; SAVEPOINT command"
+_UNDO_SAVEPOINT = "ROLLBACK TO SAVEPOINT command"
 
 
 def prefix_lock_key(schema: str, prefix: str) -> str:
@@ -85,12 +92,33 @@ class _Disconnected(StoreError):
     """The connection broke before COMMIT was sent: the command had no effect."""
 
 
+class _Batch:
+    """A group commit in progress on one thread's connection: the prefixes whose lock it
+    holds (taken by commands that committed into it), whether it wrote, and what broke
+    it, if anything (then none of it commits)."""
+
+    __slots__ = ("conn", "failure", "locked", "savepoint", "wrote")
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.locked: set[str] = set()
+        self.wrote = False
+        self.failure: StoreError | None = None
+        self.savepoint = False  # a command's savepoint is open
+
+
 class PostgresTransaction:
-    def __init__(self, conn: psycopg.Connection[Any], channel: str, schema: str) -> None:
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        channel: str,
+        schema: str,
+        locked: set[str] | None = None,
+    ) -> None:
         self._c = conn
         self._channel = channel
         self._schema = schema
-        self._locked: set[str] = set()
+        self._locked: set[str] = set(locked or ())
         self.wrote = False
 
     def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
@@ -493,7 +521,108 @@ class PostgresQueueStore(QueueStore):
             pass  # the command that reconnected reports what is wrong
 
     @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group commit: the commands run inside (on this thread) share one transaction
+        and one COMMIT; each is a savepoint of it, undone alone if it fails, but for the
+        first, which opens the transaction (a failing first command rolls it back: it held
+        nothing else). Lost with its connection, the whole batch is re-run (`batched`)."""
+        if getattr(self._local, "batch", None) is not None:
+            yield
+            return
+        conn = self._connection()
+        batch = _Batch(conn)
+        effects: list[Callable[[], object]] = []
+        self._local.batch, self._local.effects = batch, effects
+        xid: int | None = None
+        committing = False
+        try:
+            try:
+                yield  # each command is watched on its own (`_command_in`)
+                if batch.failure is not None:
+                    raise batch.failure
+                if conn.info.transaction_status not in (_IDLE, _INTRANS):
+                    # A command's undo failed: COMMIT would only roll back, silently.
+                    raise StoreError("queue database: the batch's transaction was aborted")
+                if conn.info.transaction_status == _INTRANS:
+                    with self._watchdog.watching(conn):
+                        if batch.wrote:
+                            xid = _scalar(conn, "SELECT txid_current_if_assigned()")
+                        committing = True
+                        conn.commit()
+            except psycopg.OperationalError as exc:
+                if not self._committed_after_all(conn, exc, xid, committing):
+                    raise
+            except psycopg.Error as exc:
+                raise StoreError(f"queue database: {exc}") from exc
+        finally:
+            self._local.batch = self._local.effects = None
+            if not conn.broken and conn.info.transaction_status != _IDLE:  # it did not commit
+                with contextlib.suppress(psycopg.Error):
+                    conn.rollback()
+        for effect in effects:  # decide, then act: only what has committed is told
+            effect()
+
+    @contextmanager
+    def _command_in(self, batch: _Batch) -> Iterator[PostgresTransaction]:
+        """One command of a batch. Its effects join the batch's once it has succeeded."""
+        if batch.failure is not None:
+            raise batch.failure
+        conn, outer = batch.conn, self._local.effects
+        # The first opens the transaction: failing, it is rolled back (it held nothing
+        # else), which spares the one-command batch a savepoint's two round trips.
+        first = conn.info.transaction_status == _IDLE
+        effects: list[Callable[[], object]] = []
+        self._local.effects = effects
+        tx = PostgresTransaction(conn, self.channel, self.schema, batch.locked)
+        try:
+            with self._watchdog.watching(conn):
+                try:
+                    if not first:
+                        # The last command's savepoint released and this one's taken in
+                        # one round trip (psycopg's own savepoint blocks take two).
+                        conn.execute(_NEXT_SAVEPOINT if batch.savepoint else _SAVEPOINT)
+                        batch.savepoint = True
+                    yield tx
+                except BaseException as exc:
+                    with contextlib.suppress(psycopg.Error):
+                        if first:
+                            conn.rollback()
+                            batch.savepoint = False
+                        elif not conn.broken:
+                            conn.execute(_UNDO_SAVEPOINT)
+                    if isinstance(exc, psycopg.OperationalError):
+                        raise self._broken(batch, exc) from exc
+                    if isinstance(exc, psycopg.Error):
+                        raise StoreError(f"queue database: {exc}") from exc
+                    raise
+        finally:
+            self._local.effects = outer
+        batch.locked |= tx._locked
+        batch.wrote = batch.wrote or tx.wrote
+        outer.extend(effects)
+
+    def _broken(self, batch: _Batch, exc: psycopg.OperationalError) -> StoreError:
+        """The error a batch's command reports: its own (a lock or statement timeout), or,
+        when its connection broke, what broke the batch (it is re-run whole)."""
+        conn = batch.conn
+        if self._watchdog.abandoned(conn):
+            batch.failure = StoreError(
+                f"the queue database did not answer within the network timeout"
+                f" ({self.network_timeout:g} s): its connection was closed"
+            )
+        elif conn.broken or conn.closed:
+            batch.failure = _Disconnected(f"the queue database went away: {exc}")
+        else:
+            return StoreError(f"queue database: {exc}")
+        return batch.failure
+
+    @contextmanager
     def _atomic(self) -> Iterator[PostgresTransaction]:
+        batch: _Batch | None = getattr(self._local, "batch", None)
+        if batch is not None:
+            with self._command_in(batch) as tx:
+                yield tx
+            return
         conn = self._connection()
         effects: list[Callable[[], object]] = []
         self._local.effects = effects
@@ -576,7 +705,7 @@ class PostgresQueueStore(QueueStore):
     def _run_command(self, run: Callable[[], T]) -> T:
         # The one hook: every command (the command table's decorator) runs through here.
         # A command inside another (STALLED calls TO_CANCEL) is retried by the outer one.
-        if getattr(self._inside, "command", False):
+        if getattr(self._inside, "command", False) or getattr(self._local, "batch", None):
             return run()
         self._inside.command = True
         try:
@@ -600,6 +729,11 @@ class PostgresQueueStore(QueueStore):
         raise StoreError(
             f"the queue database connection broke {RECONNECT_ATTEMPTS} times in a row: {last}"
         ) from last
+
+    def batched(self, work: Callable[[], T], undo: Callable[[T], object]) -> T:
+        # A batch whose connection broke before its COMMIT changed nothing: run it again.
+        once = super().batched
+        return self._again_if_disconnected(lambda: once(work, undo))
 
     def close(self) -> None:
         self._closed = True

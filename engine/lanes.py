@@ -84,3 +84,28 @@ def route_of(args: tuple[Any, ...]) -> str | None:
     if args and isinstance(args[0], str):
         return args[0].rpartition(":")[0] or args[0]
     return None
+
+
+class OffLoop:
+    """Where a store's commands run: at once on the caller's thread, or, for a store whose
+    commands may wait on the network (a database server), on threads of its own (`lanes`
+    of them), never on the event loop, so a slow database stalls no other client."""
+
+    blocking = False
+    lanes = 1
+    _lanes: Lanes | None = None
+
+    async def run_off_loop(
+        self, call: Callable[..., T], *args: Any, route: str | None = None, **kwargs: Any
+    ) -> T:
+        """`call(*args, **kwargs)` at once, or on a lane if the store is blocking: the lane
+        of `route` (a prefix; by default the one named by the first argument)."""
+        if not self.blocking:
+            return call(*args, **kwargs)
+        self._lanes = self._lanes or Lanes(self.lanes, "queryqueue-store")
+        return await self._lanes.run(route or route_of(args), call, *args, **kwargs)
+
+    def _stop_thread(self) -> None:
+        lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.shutdown()

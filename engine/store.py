@@ -16,7 +16,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
@@ -26,8 +26,9 @@ from queryqueue.engine.errors import (
     ExclusiveAccessError,
     ExternalIdConflictError,
     InvalidCommandError,
+    StoreError,
 )
-from queryqueue.engine.lanes import Lanes, route_of
+from queryqueue.engine.lanes import OffLoop
 from queryqueue.engine.listing import PURGE_BATCH, ListingCommands
 from queryqueue.engine.records import (
     Item,
@@ -54,8 +55,10 @@ T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
 
 
-class QueueStore(ListingCommands):
+class QueueStore(OffLoop, ListingCommands):
     """The QUEUE command set. Subclasses implement `_atomic()` and `close()` only."""
+
+    shared = False  # read by other hosts' supervisors too (results must live in it)
 
     def __init__(
         self, *, clock: Clock | None = None, result_ttl_ms: int = DEFAULT_RESULT_TTL_MS
@@ -80,28 +83,19 @@ class QueueStore(ListingCommands):
         happen once the batch has committed. Stores that commit in memory need no batching."""
         return nullcontext()
 
-    # Its commands may wait on the network (a database server): they run on threads of
-    # its own (`lanes` of them, lanes.py), never on the event loop, so a slow database
-    # stalls no other client.
-    blocking = False
-    lanes = 1
-    shared = False  # read by other hosts' supervisors too (results must live in it)
-    _lanes: Lanes | None = None
-
-    async def run_off_loop(
-        self, call: Callable[..., T], *args: Any, route: str | None = None, **kwargs: Any
-    ) -> T:
-        """`call(*args, **kwargs)` at once, or on a lane if the store is blocking: the lane
-        of `route` (a prefix; by default the one named by the first argument)."""
-        if not self.blocking:
-            return call(*args, **kwargs)
-        self._lanes = self._lanes or Lanes(self.lanes, "queryqueue-store")
-        return await self._lanes.run(route or route_of(args), call, *args, **kwargs)
-
-    def _stop_thread(self) -> None:
-        lanes, self._lanes = self._lanes, None
-        if lanes is not None:
-            lanes.shutdown()
+    def batched(self, work: Callable[[], T], undo: Callable[[T], object]) -> T:
+        """`work()` in one `batch`; if the batch does not commit, `undo(what work returned)`
+        and its StoreError. A store that re-runs a batch whole (its connection lost before
+        COMMIT: nothing happened) overrides this."""
+        done: list[T] = []
+        try:
+            with self.batch():
+                done.append(work())
+        except StoreError:
+            for what in done:
+                undo(what)
+            raise
+        return done[0]
 
     def _run_command(self, run: Callable[[], T]) -> T:
         """Every command runs through here (the command table's decorator): a store that

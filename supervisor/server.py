@@ -286,14 +286,6 @@ def _poll_args(request: _Request) -> tuple[Any, int]:
     return key, int(timeout_ms)
 
 
-def _by_route(batch: list[_Request]) -> dict[str | None, list[_Request]]:
-    """A batch split by the prefix each command is about, in arrival order."""
-    groups: dict[str | None, list[_Request]] = {}
-    for request in batch:
-        groups.setdefault(route_of(tuple(request.args)), []).append(request)
-    return groups
-
-
 class QueueServer:
     def __init__(
         self,
@@ -336,6 +328,8 @@ class QueueServer:
         self._inbox: asyncio.Queue[_Request] = asyncio.Queue()
         self._executor: asyncio.Task[None] | None = None
         self._lanes_busy: set[asyncio.Task[None]] = set()
+        # A prefix whose batch is on its lane: what arrived for it since (`_to_lane`).
+        self._lane_queued: dict[str, list[_Request]] = {}
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -775,25 +769,86 @@ class QueueServer:
         while True:
             batch = self._take_batch(await self._inbox.get())
             if self.store.blocking:
-                # PostgreSQL: each prefix's commands go to a lane of the store (a thread
-                # and a connection, in order); the loop does not wait for them, so a prefix
-                # waiting on a lock holds up neither other prefixes nor pings.
-                for route, group in _by_route(batch).items():
-                    task = asyncio.ensure_future(self._execute_off_loop(group, route))
-                    self._lanes_busy.add(task)
-                    task.add_done_callback(self._lanes_busy.discard)
+                for route, group in self._by_route(batch).items():
+                    self._to_lane(route, group)
             else:
                 answers, for_pool = self._execute_here(batch)
-                self._note_acks(batch, answers)
-                self._hand_to_pool(for_pool)
-                self._answer_batch(batch, answers, poke=not for_pool)
+                self._settle(batch, answers, for_pool)
             # Let connections read what arrived meanwhile: the next batch groups it.
             await asyncio.sleep(0)
 
-    async def _execute_off_loop(self, batch: list[_Request], route: str | None) -> None:
-        answers = await self.store.run_off_loop(self._execute, batch, route=route)
+    def _settle(
+        self,
+        batch: list[_Request],
+        answers: list[tuple[bool, Any]],
+        for_pool: list[RetrievedQuery] | None,
+    ) -> None:
+        """A committed batch: the pool hears of it, then its answers leave."""
         self._note_acks(batch, answers)
-        self._answer_batch(batch, answers)
+        self._hand_to_pool(for_pool)
+        self._answer_batch(batch, answers, poke=not for_pool)
+
+    def _by_route(self, batch: list[_Request]) -> dict[str | None, list[_Request]]:
+        """A batch split by the prefix each command is about, in arrival order. A command
+        by queue id about an item the pool holds (its workers' ACKs) goes with the pool's
+        prefix: into the same transactions as the ADDs and RETRIEVEs it frees a slot for."""
+        groups: dict[str | None, list[_Request]] = {}
+        held = self.pool.job if self.pool is not None else None
+        for request in batch:
+            route = route_of(tuple(request.args))
+            if route is None and held is not None and request.args:
+                job = held(request.args[0]) if isinstance(request.args[0], int) else None
+                route = job.path.rpartition(":")[0] if job is not None else None
+            groups.setdefault(route, []).append(request)
+        return groups
+
+    def _to_lane(self, route: str | None, group: list[_Request]) -> None:
+        """PostgreSQL: each prefix's commands go to a lane of the store (a thread and a
+        connection, in order); the loop does not wait for them, so a prefix waiting on a
+        lock holds up neither other prefixes nor pings. While a prefix's batch is on its
+        lane, what arrives for it waits and goes as the next batch: one transaction (one
+        commit) for all of it. Commands by queue id (no prefix) are not held back: each
+        group takes the least loaded lane, as one of them may wait on any prefix's lock."""
+        if route is not None and route in self._lane_queued:
+            self._lane_queued[route].extend(group)
+            return
+        if route is not None:
+            self._lane_queued[route] = []
+        task = asyncio.ensure_future(self._execute_off_loop(group, route))
+        self._lanes_busy.add(task)
+        task.add_done_callback(self._lanes_busy.discard)
+
+    async def _execute_off_loop(self, batch: list[_Request], route: str | None) -> None:
+        try:
+            while batch:
+                try:
+                    answers, for_pool = await self.store.run_off_loop(
+                        self._execute_here, batch, route=route
+                    )
+                except RuntimeError as exc:  # its lanes are shut down: none of it ran
+                    answers, for_pool = (
+                        [(False, StoreError(f"the store is closed: {exc}"))] * len(batch),
+                        None,
+                    )
+                try:
+                    self._settle(batch, answers, for_pool)
+                except Exception:  # a bug: the prefix's next commands must still run
+                    _log.exception("answering a batch of %d commands failed", len(batch))
+                batch = self._next_for_lane(route)
+        except asyncio.CancelledError:
+            if route is not None:
+                self._lane_queued.pop(route, None)
+            raise
+
+    def _next_for_lane(self, route: str | None) -> list[_Request]:
+        """What arrived for `route` while its batch ran (at most `max_batch`); none left:
+        the route is free, its next command starts a lane task of its own."""
+        if route is None:
+            return []
+        queued = self._lane_queued.pop(route, [])
+        if queued:
+            self._lane_queued[route] = queued[self.max_batch :]
+        return queued[: self.max_batch]
 
     def _note_acks(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> None:
         """The pool hears of its workers' ACKs as they commit: a worker finishing one is
@@ -808,7 +863,8 @@ class QueueServer:
         """Run what has arrived, here and now (at shutdown)."""
         batch = self._take_batch(None)
         if batch:
-            self._answer_batch(batch, self._execute(batch))
+            answers, _ = self._execute_here(batch)
+            self._answer_batch(batch, answers)
 
     def _take_batch(self, first: _Request | None) -> list[_Request]:
         batch: list[_Request] = [] if first is None else [first]
@@ -829,23 +885,28 @@ class QueueServer:
     def _execute_here(
         self, batch: list[_Request]
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
-        """`_execute` on the loop, and in the same transaction, when the batch freed a
-        slot or added work, the pool's retrieval: what its reconcile would retrieve next,
-        handed to its workers as soon as the batch commits (None: not tried)."""
-        answers: list[tuple[bool, Any]] = []
-        for_pool: list[RetrievedQuery] | None = None
+        """`_execute` (on the loop, or on a blocking store's lane), and in the same
+        transaction, when the batch freed a slot or added work, the pool's retrieval: what
+        its reconcile would retrieve next, handed to its workers as soon as the batch
+        commits (None: not tried)."""
         try:
-            with self.store.batch():
-                for request in batch:
-                    answers.append(self._run(request))
-                if self._pool_may_retrieve(batch, answers):
-                    for_pool = self._retrieve_for_pool()
+            return self.store.batched(lambda: self._attempt(batch), self._forget_polls)
         except StoreError as exc:
-            for _, answer in answers:  # long polls that subscribed: nothing committed
-                if isinstance(answer, Waiter):
-                    self.store.waiters.unsubscribe(answer)
             return [(False, exc)] * len(batch), None
-        return answers, for_pool
+
+    def _forget_polls(self, done: tuple[list[tuple[bool, Any]], Any]) -> None:
+        """A batch that did not commit: the long polls it subscribed wait for nothing."""
+        for _, answer in done[0]:
+            if isinstance(answer, Waiter):
+                self.store.waiters.unsubscribe(answer)
+
+    def _attempt(
+        self, batch: list[_Request]
+    ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
+        answers = [self._run(request) for request in batch]
+        if self._pool_may_retrieve(batch, answers):
+            return answers, self._retrieve_for_pool()
+        return answers, None
 
     def _pool_may_retrieve(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> bool:
         if self.pool is None or self.pool.queue is None or self._stopping or self.pool.stopping:
@@ -918,18 +979,6 @@ class QueueServer:
             except RuntimeError:  # stopping since: the stalled path reclaims it
                 self.pool.poke()
                 return
-
-    def _execute(self, batch: list[_Request]) -> list[tuple[bool, Any]]:
-        """The store's part of a batch: one transaction, a savepoint per command."""
-        answers: list[tuple[bool, Any]] = []
-        try:
-            with self.store.batch():
-                for request in batch:
-                    answers.append(self._run(request))
-        except StoreError as exc:
-            # The commit failed: nothing of this batch happened.
-            answers = [(False, exc)] * len(batch)
-        return answers
 
     def _answer_batch(
         self, batch: list[_Request], answers: list[tuple[bool, Any]], *, poke: bool = True

@@ -626,3 +626,90 @@ async def _ask_through_errors(queue: Any, key: str, seconds: float) -> Any:
         except StoreError:
             assert time.monotonic() < deadline, f"no result for {key}"
             await asyncio.sleep(0.1)
+
+
+def test_a_batch_whose_connection_dies_before_commit_runs_again_whole() -> None:
+    """Group commit on PostgreSQL: what a batch did before its connection died was never
+    committed, so the batch runs again on a fresh connection, every command once; the
+    answers of the lost attempt are undone (its long polls unsubscribed), not sent."""
+    import psycopg
+
+    from queryqueue import QueueError
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        attempts = 0
+        undone: list[list[Any]] = []
+
+        def work() -> list[Any]:
+            nonlocal attempts
+            attempts += 1
+            answers: list[Any] = [store.add("p:a", "{}")]
+            if attempts == 1:
+                _terminate(psycopg, store._connection().info.backend_pid)
+            for key in ("p:b", "p:c"):
+                try:  # as the server runs a batch: each command's error is its answer
+                    answers.append(store.add(key, "{}"))
+                except QueueError as exc:
+                    answers.append(exc)
+            return answers
+
+        answers = store.batched(work, undone.append)
+        assert attempts == 2
+        assert len(undone) == 1 and isinstance(undone[0][1], StoreError)
+        assert [a.added for a in answers] == [True, True, True]
+        assert [row.id for row in store.pending("p")] == ["a", "b", "c"]  # once each
+        assert store.add("p:d", "{}").pending == 4
+    finally:
+        store.close()
+
+
+def _terminate(psycopg: Any, pid: int) -> None:
+    with psycopg.connect(URL, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        deadline = time.monotonic() + 10
+        while admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+            assert time.monotonic() < deadline, "the backend did not go away"
+            time.sleep(0.01)
+
+
+def test_a_database_error_in_a_batch_undoes_its_command_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command of a batch that the database refuses (here a statement that fails in
+    the middle of HEARTBEAT) is rolled back to its savepoint: the commands before and
+    after it commit, the batch's transaction is not left aborted."""
+    from queryqueue import QueueError
+    from queryqueue.driver_postgres.store import PostgresTransaction
+    from tests.postgres_util import postgres_store
+
+    def failing(self: PostgresTransaction, item: Any, now: int) -> None:
+        self._write("UPDATE items SET heartbeat = 1 / 0 WHERE id = %s", (item.id,))
+
+    store = postgres_store()
+    try:
+        first = store.add("p:a", "{}")
+
+        def work() -> list[Any]:
+            answers: list[Any] = []
+            for command in (
+                lambda: store.add("p:b", "{}"),
+                lambda: store.heartbeat("p:a"),
+                lambda: store.add("p:c", "{}"),
+            ):
+                try:
+                    answers.append(command())
+                except QueueError as exc:
+                    answers.append(exc)
+            return answers
+
+        monkeypatch.setattr(PostgresTransaction, "set_heartbeat", failing)
+        answers = store.batched(work, lambda _: None)
+        monkeypatch.undo()
+        assert answers[0].added and answers[2].added
+        assert isinstance(answers[1], StoreError) and "division by zero" in str(answers[1])
+        assert [row.id for row in store.pending("p")] == ["a", "b", "c"]
+        assert store.heartbeat(first.id)  # and the store goes on
+    finally:
+        store.close()

@@ -725,3 +725,63 @@ async def test_result_blocking_by_id_takes_the_result_whether_the_ack_came_first
     assert got is not None and got.payload == payload(r=1)
     assert store.result(path("a")) is None
     assert store.result(qid) is not None  # by id it still reads
+
+
+# -- batches (group commit) ---------------------------------------------------------------------
+
+
+def test_a_batch_commits_its_commands_and_undoes_a_failing_one_alone(store: QueueStore) -> None:
+    """A server runs what arrived together as one batch: one transaction, each command
+    still atomic on its own. A command that fails (first in the batch, or later) leaves
+    nothing behind, and the others stand, counts included."""
+    store.add(path("held", "other"), payload(), external_id="taken")
+
+    def work() -> list[object]:
+        outcomes: list[object] = []
+        for key in ("first-fails", "a", "later-fails", "b"):
+            try:
+                external_id = "taken" if key.endswith("fails") else None
+                outcomes.append(store.add(path(key), payload(), external_id=external_id).id)
+            except ExternalIdConflictError as exc:
+                outcomes.append(exc)
+        outcomes.append(store.retrieve(path("a"), concurrency=5) is not None)
+        return outcomes
+
+    undone: list[object] = []
+    outcomes = store.batched(work, undone.append)
+    assert [type(o) for o in outcomes] == [
+        ExternalIdConflictError,
+        int,
+        ExternalIdConflictError,
+        int,
+        bool,
+    ]
+    assert outcomes[-1] is True and undone == []
+    assert keys(store.pending(P)) == ["b"]
+    assert keys(store.active(P)) == ["a"]
+    assert store.add(path("c"), payload()).pending == 2  # the counts hold the batch's changes
+    # The failed ones are gone for good: their paths add afresh.
+    assert store.add(path("first-fails"), payload()).added
+
+
+async def test_a_batch_wakes_its_waiters_once_it_committed(store: QueueStore) -> None:
+    qid = store.add(path("a"), payload()).id
+    found, waiter = store.result_blocking_start(qid, 10_000)
+    assert found is None and waiter is not None
+    try:
+        seen_inside: list[bool] = []
+
+        def work() -> bool:
+            acked = store.ack(qid, payload(r=1)).success
+            seen_inside.append(waiter.future.done())
+            return acked
+
+        assert store.batched(work, lambda _: None)
+        if type(store).batch is not QueueStore.batch:  # a store that batches (not memory)
+            assert seen_inside == [False]
+        event = await asyncio.wait_for(waiter.future, 10)
+        assert event.id == qid
+        found = store.result(qid)
+        assert found is not None and found.payload == payload(r=1)
+    finally:
+        store.waiters.unsubscribe(waiter)
