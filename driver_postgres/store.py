@@ -215,9 +215,10 @@ class PostgresTransaction:
             (prefix, pending, active),
         )
 
-    def activate(self, item: Item, now: int) -> None:
+    def activate(self, item: Item, now: int, extra: str | None) -> None:
         self._write(
-            "UPDATE items SET status = %s, heartbeat = %s WHERE id = %s", (ACTIVE, now, item.id)
+            "UPDATE items SET status = %s, heartbeat = %s, extra = %s WHERE id = %s",
+            (ACTIVE, now, extra, item.id),
         )
         self._count(item.prefix, -1, 1)
 

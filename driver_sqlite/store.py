@@ -100,9 +100,10 @@ class SqliteTransaction:
             (prefix, pending, active),
         )
 
-    def activate(self, item: Item, now: int) -> None:
+    def activate(self, item: Item, now: int, extra: str | None) -> None:
         self._c.execute(
-            "UPDATE items SET status = ?, heartbeat = ? WHERE id = ?", (ACTIVE, now, item.id)
+            "UPDATE items SET status = ?, heartbeat = ?, extra = ? WHERE id = ?",
+            (ACTIVE, now, extra, item.id),
         )
         self._count(item.prefix, -1, 1)
 

@@ -68,8 +68,8 @@ class MemoryTransaction:
         self.undo.append(undo)
         return queue_id
 
-    def activate(self, item: Item, now: int) -> None:
-        self._update(item.id, status="active", heartbeat=now)
+    def activate(self, item: Item, now: int, extra: str | None) -> None:
+        self._update(item.id, status="active", heartbeat=now, extra=extra)
 
     def set_heartbeat(self, item: Item, now: int) -> None:
         self._update(item.id, heartbeat=now)

@@ -116,7 +116,9 @@ class StoreTransaction(Protocol):
         """Insert a new item (its `id` is ignored) and return the id assigned to it."""
         ...
 
-    def activate(self, item: Item, now: int) -> None: ...
+    def activate(self, item: Item, now: int, extra: str | None) -> None:
+        """Make `item` active: heartbeat `now`, and `extra` (its own, or with
+        startQueryTime merged: RETRIEVE's `start_query_time`)."""
 
     def set_heartbeat(self, item: Item, now: int) -> None: ...
 
@@ -201,6 +203,13 @@ def merge_extra_json(current: str | None, new: str) -> str | None:
     if isinstance(base, dict) and isinstance(update, dict):
         return orjson.dumps({**base, **update}).decode()
     return new
+
+
+def with_start_query_time(extra: str | None, start_query_time: int | None) -> str | None:
+    """A retrieved item's extra, with `startQueryTime` merged in when one is given."""
+    if start_query_time is None:
+        return extra
+    return merge_extra_json(extra, f'{{"startQueryTime":{start_query_time}}}')
 
 
 def new_item(

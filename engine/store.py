@@ -36,6 +36,7 @@ from queryqueue.engine.records import (
     StoreTransaction,
     merge_extra_json,
     new_item,
+    with_start_query_time,
 )
 from queryqueue.engine.responses import (
     AckResponse,
@@ -158,9 +159,11 @@ class QueueStore(OffLoop, ListingCommands):
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        start_query_time: int | None = None,
     ) -> AddAndRetrieveResponse:
         """QUEUE ADD_AND_RETRIEVE ... path payload concurrency: insert, then retrieve if the
-        prefix has a slot for it and for everything already pending."""
+        prefix has a slot for it and for everything already pending (`start_query_time`
+        as RETRIEVE's, for the item it retrieves)."""
         new = new_item(
             path,
             payload,
@@ -172,6 +175,7 @@ class QueueStore(OffLoop, ListingCommands):
             self.clock.now_ms(),
         )
         v.check_concurrency(concurrency)
+        v.check_non_negative_ms("start_query_time", start_query_time, nullable=True)
         with self._atomic() as tx:
             joined = self._joined(tx, new, if_no_result)
             pending, active = tx.counts(new.prefix)
@@ -181,7 +185,10 @@ class QueueStore(OffLoop, ListingCommands):
             elif active + pending < concurrency:
                 # A fresh item is always visible to its adder (EXCLUSIVE needs its process
                 # id); retrieved, it goes straight to active and never counts as pending.
-                queue_id = tx.insert(replace(new, status="active", heartbeat=new.created))
+                extra = with_start_query_time(None, start_query_time)
+                queue_id = tx.insert(
+                    replace(new, status="active", heartbeat=new.created, extra=extra)
+                )
                 retrieved = new.payload
             else:
                 queue_id = tx.insert(new)
@@ -233,16 +240,21 @@ class QueueStore(OffLoop, ListingCommands):
         concurrency: int = 1,
         extended: bool = True,
         process_id: str | None = None,
+        start_query_time: int | None = None,
     ) -> RetrieveResponse | None:
         """QUEUE RETRIEVE [EXTENDED] CONCURRENCY n key: move a pending item to active.
 
         Priority-blind: the caller picks the item. Fails (None, or with `extended` a row
         whose payload and id are None) when the prefix has `concurrency` active items, the
         item is missing or already active, or it is another process's exclusive item.
+
+        `start_query_time` (our extension): the retrieving write merges it into extra as
+        `startQueryTime`, as Cube's processQuery does next; the answer's extra is as it was.
         """
         v.check_key(key)
         v.check_concurrency(concurrency)
         v.check_process_id(process_id)
+        v.check_non_negative_ms("start_query_time", start_query_time, nullable=True)
         now = self.clock.now_ms()
         with self._atomic() as tx:
             item = tx.find(key, with_payload=True)
@@ -264,7 +276,7 @@ class QueueStore(OffLoop, ListingCommands):
                 return RetrieveResponse(
                     payload=None, extra=None, pending=pending, active=_join(active_keys), id=None
                 )
-            tx.activate(item, now)
+            tx.activate(item, now, with_start_query_time(item.extra, start_query_time))
             return RetrieveResponse(
                 payload=item.payload,
                 extra=item.extra,

@@ -719,15 +719,17 @@ class QueueServer:
         except RuntimeError as exc:
             raise InvalidCommandError(f"dispatch: {exc}") from None
 
-    def _fast_tracked(self, request: _Request, answer: Any) -> bool:
-        """ADD_AND_RETRIEVE asked to `dispatch` and retrieved an item this pool runs."""
+    def _may_fast_track(self, request: _Request) -> bool:
+        """ADD_AND_RETRIEVE asked to `dispatch`, for a prefix this pool runs."""
         return (
             request.dispatch
             and self.pool is not None
-            and answer.payload is not None
-            and answer.extra is None
             and request.args[0].rpartition(":")[0] == self.pool.prefix
         )
+
+    def _fast_tracked(self, request: _Request, answer: Any) -> bool:
+        """... and it retrieved the item it added."""
+        return self._may_fast_track(request) and answer.payload is not None and answer.extra is None
 
     def _dispatch_retrieved(
         self, path: str, answer: AddAndRetrieveResponse, started_ms: int | None
@@ -933,9 +935,16 @@ class QueueServer:
             for row in self.store.pending(prefix, process_id=uid, limit=concurrency):
                 if not may_run_in(row.id, uid):
                     continue
+                # startQueryTime in the retrieving write (Cube's processQuery records it
+                # right after RETRIEVE): the worker need not send it.
+                started = self.store.clock.now_ms()
                 got = retrieved_of(
                     self.store.retrieve(
-                        f"{prefix}:{row.id}", concurrency=concurrency, extended=True, process_id=uid
+                        f"{prefix}:{row.id}",
+                        concurrency=concurrency,
+                        extended=True,
+                        process_id=uid,
+                        start_query_time=started,
                     )
                 )
                 full = len(got.active_keys) >= concurrency
@@ -950,7 +959,7 @@ class QueueServer:
                         got.queue_id,
                         got.queue_size,
                         got.query,
-                        self._record_start(got.queue_id),
+                        started,
                     )
                 )
                 if full:
@@ -958,17 +967,6 @@ class QueueServer:
         except QueueError as exc:  # what was retrieved stands; the reconcile does the rest
             _log.warning("retrieving for the pool in the batch failed: %s", exc)
         return found
-
-    def _record_start(self, queue_id: int) -> int | None:
-        """startQueryTime, in the transaction that retrieved the item for the pool (Cube's
-        processQuery records it right after RETRIEVE): its worker need not send it.
-        None: not recorded here, the worker records it as any executor would."""
-        now = self.store.clock.now_ms()
-        try:
-            self.store.merge_extra(queue_id, orjson.dumps({"startQueryTime": now}).decode())
-        except QueueError:
-            return None
-        return now
 
     def _hand_to_pool(self, retrieved: list[RetrievedQuery] | None) -> None:
         if not retrieved or self.pool is None:
@@ -1023,12 +1021,14 @@ class QueueServer:
                 _follow_key(request)
                 found, waiter = self.store.result_blocking_start(*request.args, **request.kwargs)
                 return True, found if waiter is None else waiter
-            answer = getattr(self.store, request.method)(*request.args, **request.kwargs)
+            kwargs = request.kwargs
+            if self._may_fast_track(request):
+                # The fast track's startQueryTime, written as the pool's own retrieval's is.
+                request.started_ms = self.store.clock.now_ms()
+                kwargs = {**kwargs, "start_query_time": request.started_ms}
+            answer = getattr(self.store, request.method)(*request.args, **kwargs)
             if request.then_wait is not None:
                 request.added_id = answer.id
-            if self._fast_tracked(request, answer):
-                # The fast track's startQueryTime, as the pool's own retrieval records it.
-                request.started_ms = self._record_start(answer.id)
             return True, answer
         except QueueError as exc:
             return False, exc

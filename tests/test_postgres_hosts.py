@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -693,11 +693,12 @@ def test_a_database_error_in_a_batch_undoes_its_command_alone(
 
         def work() -> list[Any]:
             answers: list[Any] = []
-            for command in (
+            commands: list[Callable[[], Any]] = [
                 lambda: store.add("p:b", "{}"),
                 lambda: store.heartbeat("p:a"),
                 lambda: store.add("p:c", "{}"),
-            ):
+            ]
+            for command in commands:
                 try:
                     answers.append(command())
                 except QueueError as exc:

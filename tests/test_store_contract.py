@@ -199,6 +199,28 @@ def test_retrieve_returns_extra(store: QueueStore) -> None:
 # -- ADD_AND_RETRIEVE ------------------------------------------------------------------------
 
 
+def test_retrieve_records_start_query_time_in_the_same_write(store: QueueStore) -> None:
+    """Our extension: the retrieving write also merges `startQueryTime` into extra (what
+    Cube's processQuery merges right after RETRIEVE), so no MERGE_EXTRA need follow."""
+    store.add(path("a"), payload())
+    store.merge_extra(path("a"), payload(seen=1))
+    got = store.retrieve(path("a"), concurrency=2, start_query_time=1234)
+    assert got is not None and got.extra == payload(seen=1)  # as it was, as RETRIEVE says
+    recorded = store.get(path("a"))
+    assert recorded is not None
+    assert orjson.loads(recorded.extra or "null") == {"seen": 1, "startQueryTime": 1234}
+    fast = store.add_and_retrieve(path("b"), payload(), 5, start_query_time=99)
+    assert fast.payload is not None
+    assert store.get(path("b")) == QueryDefResponse(payload(), '{"startQueryTime":99}')
+    # Not retrieved, nothing recorded.
+    store.add(path("c"), payload())
+    store.add_and_retrieve(path("c"), payload(), 5, start_query_time=7)
+    assert store.get(path("c")) == QueryDefResponse(payload(), None)
+    with pytest.raises(InvalidCommandError, match="start_query_time"):
+        store.retrieve(path("c"), concurrency=5, start_query_time=-1)
+    assert keys(store.pending(P)) == ["c"]
+
+
 def test_add_and_retrieve_takes_a_free_slot(store: QueueStore) -> None:
     got = store.add_and_retrieve(path("a"), payload(q=1), 2, priority=10)
     assert got == AddAndRetrieveResponse(
