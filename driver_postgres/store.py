@@ -135,7 +135,7 @@ class PostgresTransaction:
         rows: list[tuple[Any, ...]] = self._c.execute(query, params).fetchall()
         return rows
 
-    def _lock(self, prefix: str) -> None:
+    def lock(self, prefix: str) -> None:
         """Serialize this transaction with every other one on `prefix`, on every host."""
         if prefix not in self._locked:
             self._c.execute(
@@ -149,15 +149,22 @@ class PostgresTransaction:
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
         columns = ITEM_COLUMNS + (", payload" if with_payload else "")
         if isinstance(key, int):
+            if self._locked:  # an item of a prefix this transaction holds: one statement
+                row = self._one(
+                    f"SELECT {columns} FROM items WHERE id = %s AND prefix = ANY(%s) FOR UPDATE",
+                    (key, list(self._locked)),
+                )
+                if row is not None:
+                    return item_from_row(row)
             # Items never change prefix: read it unlocked, lock the prefix, then the row.
             found = self._one("SELECT prefix FROM items WHERE id = %s", (key,))
             if found is None:
                 return None
-            self._lock(found[0])
+            self.lock(found[0])
             row = self._one(f"SELECT {columns} FROM items WHERE id = %s FOR UPDATE", (key,))
         else:
             prefix, _, name = key.rpartition(":")
-            self._lock(prefix)
+            self.lock(prefix)
             row = self._one(
                 f"SELECT {columns} FROM items WHERE prefix = %s AND key = %s FOR UPDATE",
                 (prefix, name),
@@ -168,7 +175,7 @@ class PostgresTransaction:
         return self._one("SELECT 1 FROM items WHERE external_id = %s", (external_id,)) is not None
 
     def insert(self, item: Item) -> QueueId:
-        self._lock(item.prefix)
+        self.lock(item.prefix)
         # A savepoint only where a conflict can happen (an external id, unique across
         # prefixes, so not covered by the prefix lock): it leaves the command usable.
         savepoint = self._c.transaction() if item.external_id is not None else _NO_SAVEPOINT
@@ -239,12 +246,12 @@ class PostgresTransaction:
             self._count(item.prefix, 0, -1)
 
     def counts(self, prefix: str) -> tuple[int, int]:
-        self._lock(prefix)
+        self.lock(prefix)
         row = self._one("SELECT pending, active FROM prefix_counts WHERE prefix = %s", (prefix,))
         return (0, 0) if row is None else (int(row[0]), int(row[1]))
 
     def active_keys(self, prefix: str) -> list[str]:
-        self._lock(prefix)
+        self.lock(prefix)
         rows = self._all(
             "SELECT key FROM items WHERE prefix = %s AND status = %s ORDER BY id", (prefix, ACTIVE)
         )
@@ -522,11 +529,13 @@ class PostgresQueueStore(QueueStore):
             pass  # the command that reconnected reports what is wrong
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, prefix: str | None = None) -> Iterator[None]:
         """Group commit: the commands run inside (on this thread) share one transaction
         and one COMMIT; each is a savepoint of it, undone alone if it fails, but for the
         first, which opens the transaction (a failing first command rolls it back: it held
-        nothing else). Lost with its connection, the whole batch is re-run (`batched`)."""
+        nothing else). Lost with its connection, the whole batch is re-run (`batched`).
+        `prefix`: its lock is taken first, so that commands by queue id about its items
+        find them in one statement (`find`)."""
         if getattr(self._local, "batch", None) is not None:
             yield
             return
@@ -538,6 +547,9 @@ class PostgresQueueStore(QueueStore):
         committing = False
         try:
             try:
+                if prefix is not None:
+                    with self._atomic() as tx:
+                        tx.lock(prefix)
                 yield  # each command is watched on its own (`_command_in`)
                 if batch.failure is not None:
                     raise batch.failure
@@ -731,10 +743,12 @@ class PostgresQueueStore(QueueStore):
             f"the queue database connection broke {RECONNECT_ATTEMPTS} times in a row: {last}"
         ) from last
 
-    def batched(self, work: Callable[[], T], undo: Callable[[T], object]) -> T:
+    def batched(
+        self, work: Callable[[], T], undo: Callable[[T], object], prefix: str | None = None
+    ) -> T:
         # A batch whose connection broke before its COMMIT changed nothing: run it again.
         once = super().batched
-        return self._again_if_disconnected(lambda: once(work, undo))
+        return self._again_if_disconnected(lambda: once(work, undo, prefix))
 
     def close(self) -> None:
         self._closed = True

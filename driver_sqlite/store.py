@@ -354,7 +354,7 @@ class SqliteQueueStore(QueueStore):
             raise StoreError(f"queue database {self.path}: {exc}") from exc
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, prefix: str | None = None) -> Iterator[None]:
         """Group commit: one transaction (one WAL commit, one fsync with FULL) for every
         command run inside; each command is a savepoint of its own."""
         with self._lock:

@@ -29,7 +29,7 @@ from queryqueue.engine.errors import (
     StoreError,
 )
 from queryqueue.engine.lanes import OffLoop
-from queryqueue.engine.listing import PURGE_BATCH, ListingCommands
+from queryqueue.engine.listing import ListingCommands
 from queryqueue.engine.records import (
     Item,
     StoredResult,
@@ -78,19 +78,19 @@ class QueueStore(OffLoop, ListingCommands):
     @abstractmethod
     def close(self) -> None: ...
 
-    def batch(self) -> AbstractContextManager[None]:
-        """Group commit: commands run inside share one transaction, each still atomic on its
-        own (a failing one is undone alone). Effects such as waking RESULT_BLOCKING waiters
-        happen once the batch has committed. Stores that commit in memory need no batching."""
+    def batch(self, prefix: str | None = None) -> AbstractContextManager[None]:
+        """Group commit: one transaction, each command in it atomic on its own; `prefix`: what
+        most are about. Waiters wake once it committed. A store in memory needs none."""
         return nullcontext()
 
-    def batched(self, work: Callable[[], T], undo: Callable[[T], object]) -> T:
-        """`work()` in one `batch`; if the batch does not commit, `undo(what work returned)`
-        and its StoreError. A store that re-runs a batch whole (its connection lost before
-        COMMIT: nothing happened) overrides this."""
+    def batched(
+        self, work: Callable[[], T], undo: Callable[[T], object], prefix: str | None = None
+    ) -> T:
+        """`work()` in one `batch`; not committed: `undo(what work returned)`, StoreError.
+        A store that re-runs a lost batch whole (nothing happened) overrides this."""
         done: list[T] = []
         try:
-            with self.batch():
+            with self.batch(prefix):
                 done.append(work())
         except StoreError:
             for what in done:
@@ -329,7 +329,7 @@ class QueueStore(OffLoop, ListingCommands):
                     external_id=item.external_id,
                 )
             )
-        tx.purge_expired_results(now, PURGE_BATCH)
+        self._purge_when_due(tx, now)
         tx.acked(item, result)
         event = AckEvent(item.id, item.path, result, item.external_id, taken)
         # Decide, then act: waiters are woken only once the result is committed.

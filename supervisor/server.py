@@ -825,7 +825,7 @@ class QueueServer:
             while batch:
                 try:
                     answers, for_pool = await self.store.run_off_loop(
-                        self._execute_here, batch, route=route
+                        self._execute_here, batch, route, route=route
                     )
                 except RuntimeError as exc:  # its lanes are shut down: none of it ran
                     answers, for_pool = (
@@ -885,14 +885,16 @@ class QueueServer:
         return batch
 
     def _execute_here(
-        self, batch: list[_Request]
+        self, batch: list[_Request], route: str | None = None
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         """`_execute` (on the loop, or on a blocking store's lane), and in the same
         transaction, when the batch freed a slot or added work, the pool's retrieval: what
         its reconcile would retrieve next, handed to its workers as soon as the batch
         commits (None: not tried)."""
         try:
-            return self.store.batched(lambda: self._attempt(batch), self._forget_polls)
+            return self.store.batched(
+                lambda: self._attempt(batch), self._forget_polls, prefix=route
+            )
         except StoreError as exc:
             return [(False, exc)] * len(batch), None
 

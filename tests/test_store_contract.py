@@ -429,6 +429,36 @@ def test_expired_results_are_purged_by_later_acks(
     assert store.result(new) is not None
 
 
+def test_acks_purge_at_most_once_a_second_unless_a_backlog_is_left(
+    make_store: StoreFactory, clock: ManualClock
+) -> None:
+    """An ACK purges expired results when its last purge is a second old (store time), or
+    when that purge found a full batch: the rest go with the next ACK, not a second later.
+    (Reads never see an expired result; looking back in time shows what is still kept.)"""
+    store = make_store(result_ttl_ms=1)
+    start = clock.now_ms()
+
+    def acked(key: str) -> int:
+        qid = store.add(path(key), payload()).id
+        store.ack(qid, payload(k=key))
+        return qid
+
+    first = acked("first")  # purges (nothing): the next purge is due a second later
+    clock.advance(10)
+    second = acked("second")  # not due: `first`, expired, is still kept
+    clock.set(start)
+    assert store.result(first) is not None
+    clock.set(start + 1_000)
+    backlog = [acked(f"b{i}") for i in range(70)]  # the first of these purged both
+    clock.set(start)
+    assert store.result(first) is None and store.result(second) is None
+    clock.set(start + 2_000)
+    acked("x")  # purges 64 of the backlog: a full batch, so the next ACK purges again
+    acked("y")
+    clock.set(start + 1_000)
+    assert [qid for qid in backlog if store.result(qid) is not None] == []
+
+
 # -- RESULT_BLOCKING -----------------------------------------------------------------------------
 
 
