@@ -29,12 +29,14 @@ any other thread that calls a command; one more connection listens.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
@@ -92,16 +94,51 @@ class _Disconnected(StoreError):
     """The connection broke before COMMIT was sent: the command had no effect."""
 
 
+class _Known:
+    """What a transaction has read of the prefixes it holds locked, kept as it writes:
+    their counts and their active items (id, key), by id. Nobody else changes them while
+    the lock is held, so a second read within the transaction (RETRIEVE's active list
+    after it activates, the next command of a batch) costs no statement."""
+
+    __slots__ = ("active", "counts")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, tuple[int, int]] = {}
+        self.active: dict[str, list[tuple[int, str]]] = {}
+
+    def copy(self) -> _Known:
+        known = _Known()
+        known.counts = dict(self.counts)
+        known.active = {prefix: list(rows) for prefix, rows in self.active.items()}
+        return known
+
+    def count(self, prefix: str, pending: int, active: int) -> None:
+        if prefix in self.counts:
+            was = self.counts[prefix]
+            self.counts[prefix] = (was[0] + pending, was[1] + active)
+
+    def activated(self, item: Item) -> None:
+        rows = self.active.get(item.prefix)
+        if rows is not None:
+            bisect.insort(rows, (item.id, item.key))
+
+    def removed(self, item: Item) -> None:
+        rows = self.active.get(item.prefix)
+        if rows is not None and (item.id, item.key) in rows:
+            rows.remove((item.id, item.key))
+
+
 class _Batch:
     """A group commit in progress on one thread's connection: the prefixes whose lock it
-    holds (taken by commands that committed into it), whether it wrote, and what broke
-    it, if anything (then none of it commits)."""
+    holds (taken by commands that committed into it) and what it knows of them, whether
+    it wrote, and what broke it, if anything (then none of it commits)."""
 
-    __slots__ = ("conn", "failure", "locked", "savepoint", "wrote")
+    __slots__ = ("conn", "failure", "known", "locked", "savepoint", "wrote")
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.conn = conn
         self.locked: set[str] = set()
+        self.known = _Known()
         self.wrote = False
         self.failure: StoreError | None = None
         self.savepoint = False  # a command's savepoint is open
@@ -114,11 +151,13 @@ class PostgresTransaction:
         channel: str,
         schema: str,
         locked: set[str] | None = None,
+        known: _Known | None = None,
     ) -> None:
         self._c = conn
         self._channel = channel
         self._schema = schema
         self._locked: set[str] = set(locked or ())
+        self.known = known.copy() if known is not None else _Known()
         self.wrote = False
 
     def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
@@ -212,9 +251,11 @@ class PostgresTransaction:
             self._count(item.prefix, 1, 0)
         else:
             self._count(item.prefix, 0, 1)
+            self.known.activated(replace(item, id=int(row[0])))
         return int(row[0])
 
     def _count(self, prefix: str, pending: int, active: int) -> None:
+        self.known.count(prefix, pending, active)
         self._write(
             "INSERT INTO prefix_counts AS c (prefix, pending, active) VALUES (%s, %s, %s)"
             " ON CONFLICT (prefix) DO UPDATE SET pending = c.pending + excluded.pending,"
@@ -228,6 +269,7 @@ class PostgresTransaction:
             (ACTIVE, now, extra, item.id),
         )
         self._count(item.prefix, -1, 1)
+        self.known.activated(item)
 
     def set_heartbeat(self, item: Item, now: int) -> None:
         self._write("UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
@@ -244,18 +286,32 @@ class PostgresTransaction:
             self._count(item.prefix, -1, 0)
         else:
             self._count(item.prefix, 0, -1)
+            self.known.removed(item)
 
     def counts(self, prefix: str) -> tuple[int, int]:
         self.lock(prefix)
-        row = self._one("SELECT pending, active FROM prefix_counts WHERE prefix = %s", (prefix,))
-        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+        known = self.known.counts.get(prefix)
+        if known is None:
+            row = self._one(
+                "SELECT pending, active FROM prefix_counts WHERE prefix = %s", (prefix,)
+            )
+            known = self.known.counts[prefix] = (
+                (0, 0) if row is None else (int(row[0]), int(row[1]))
+            )
+        return known
 
     def active_keys(self, prefix: str) -> list[str]:
         self.lock(prefix)
-        rows = self._all(
-            "SELECT key FROM items WHERE prefix = %s AND status = %s ORDER BY id", (prefix, ACTIVE)
-        )
-        return [row[0] for row in rows]
+        rows = self.known.active.get(prefix)
+        if rows is None:
+            rows = self.known.active[prefix] = [
+                (int(row[0]), str(row[1]))
+                for row in self._all(
+                    "SELECT id, key FROM items WHERE prefix = %s AND status = %s ORDER BY id",
+                    (prefix, ACTIVE),
+                )
+            ]
+        return [key for _, key in rows]
 
     def items(
         self,
@@ -384,6 +440,7 @@ class PostgresTransaction:
         return cursor.rowcount
 
     def truncate(self) -> None:
+        self.known = _Known()
         # DELETE rather than TRUNCATE: the identity keeps counting, ids are never reused.
         self._write("DELETE FROM items")
         self._write("DELETE FROM results")
@@ -586,7 +643,7 @@ class PostgresQueueStore(QueueStore):
         first = conn.info.transaction_status == _IDLE
         effects: list[Callable[[], object]] = []
         self._local.effects = effects
-        tx = PostgresTransaction(conn, self.channel, self.schema, batch.locked)
+        tx = PostgresTransaction(conn, self.channel, self.schema, batch.locked, batch.known)
         try:
             with self._watchdog.watching(conn):
                 try:
@@ -611,6 +668,7 @@ class PostgresQueueStore(QueueStore):
         finally:
             self._local.effects = outer
         batch.locked |= tx._locked
+        batch.known = tx.known
         batch.wrote = batch.wrote or tx.wrote
         outer.extend(effects)
 

@@ -11,13 +11,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from queryqueue import InvalidCommandError, MemoryQueueStore, QueueStore, SqliteQueueStore
 from queryqueue.engine.clock import ManualClock
 from tests.postgres_util import postgres_store
+from tests.postgres_util import unavailable as postgres_unavailable
 
 PREFIXES = ["a", "b"]
 KEYS = ["k1", "k2", "k3", "k4", "k5", "x@p1"]
@@ -198,3 +199,62 @@ class PostgresAgrees(StoresAgree):
 TestPostgresAgrees = PostgresAgrees.TestCase
 # Each run creates and drops a schema: fewer runs than SQLite, still hundreds of sequences.
 TestPostgresAgrees.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+command_lists = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), paths, payloads),
+        st.tuples(st.just("retrieve"), queue_keys, st.integers(1, 3)),
+        st.tuples(st.just("add_and_retrieve"), paths, st.integers(1, 3)),
+        st.tuples(st.just("ack"), queue_keys, st.sampled_from([None, '{"r":1}'])),
+        st.tuples(st.just("cancel"), queue_keys),
+        st.tuples(st.just("active"), st.sampled_from(PREFIXES)),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+def _run_all(store: QueueStore, commands: list[tuple[Any, ...]]) -> list[Any]:
+    answers = []
+    for command in commands:
+        if command[0] == "add_and_retrieve":
+            answers.append(call(store, "add_and_retrieve", command[1], "{}", command[2]))
+        elif command[0] == "retrieve":
+            answers.append(call(store, "retrieve", command[1], concurrency=command[2]))
+        elif command[0] == "active":
+            answers.append(call(store, "active", command[1]))
+        else:
+            answers.append(call(store, *command))
+    return answers
+
+
+@settings(max_examples=30, deadline=None)
+@given(commands=command_lists, prefix=st.sampled_from([None, "a"]))
+def test_a_batch_answers_as_its_commands_one_by_one(
+    commands: list[tuple[Any, ...]], prefix: str | None
+) -> None:
+    """A store that batches (and keeps what it read of a locked prefix within a batch)
+    answers a sequence of commands run as one batch exactly as the model answers them
+    one by one, and commits the same state."""
+    model = MemoryQueueStore(clock=ManualClock(), result_ttl_ms=5_000)
+    with tempfile.TemporaryDirectory() as tmp:
+        batching: list[QueueStore] = [
+            SqliteQueueStore(Path(tmp) / "q.db", clock=model.clock, result_ttl_ms=5_000)
+        ]
+        if postgres_unavailable() is None:
+            batching.append(postgres_store(clock=model.clock, result_ttl_ms=5_000))
+        try:
+            expected = _run_all(model, commands)
+            for store in batching:
+                got = _batched(store, commands, prefix)
+                assert got == expected, type(store).__name__
+                for p in PREFIXES:
+                    assert store.list_items(p) == model.list_items(p)
+        finally:
+            for store in batching:
+                store.close()
+
+
+def _batched(store: QueueStore, commands: list[tuple[Any, ...]], prefix: str | None) -> list[Any]:
+    return store.batched(lambda: _run_all(store, commands), lambda _: None, prefix)
