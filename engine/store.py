@@ -315,9 +315,9 @@ class QueueStore(OffLoop, ListingCommands):
         RESULT_BLOCKING waiter woken once it is committed."""
         now = self.clock.now_ms()
         tx.delete(item)
-        # A waiter by id takes the result when it wakes (RESULT_BLOCKING's rule): taken
-        # here, in this transaction, so that waking it costs no transaction of its own.
-        taken = result is not None and self.waiters.waiting(item.id)
+        # A waiter by id takes the result as it wakes: taken here, waking costs no transaction
+        # (not by a blocking store: the waiter may time out on the loop before this commits).
+        taken = result is not None and not self.blocking and self.waiters.waiting(item.id)
         if result is not None:
             tx.insert_result(
                 StoredResult(

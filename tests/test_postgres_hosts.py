@@ -714,3 +714,29 @@ def test_a_database_error_in_a_batch_undoes_its_command_alone(
         assert store.heartbeat(first.id)  # and the store goes on
     finally:
         store.close()
+
+
+async def test_a_waiter_that_times_out_while_its_ack_commits_leaves_the_result_to_join() -> None:
+    """The ACK commits on a lane while its waiter by id may time out on the loop: the ACK
+    does not take the result for that waiter (it may never get it), so the caller's next
+    ADD of the path joins the answered item instead of running the query again."""
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        qid = store.add("p:a", "{}").id
+        found, waiter = store.result_blocking_start(qid, 10_000)
+        assert found is None and waiter is not None
+
+        def work() -> bool:
+            acked: bool = store.ack(qid, '{"r":1}').success
+            store.waiters.unsubscribe(waiter)  # its timeout, before the ACK has committed
+            return acked
+
+        assert store.batched(work, lambda _: None, "p")
+        joined = store.add("p:a", "{}", if_no_result=True)
+        assert not joined.added and joined.id == qid
+        got = store.result(qid)
+        assert got is not None and got.payload == '{"r":1}'
+    finally:
+        store.close()
