@@ -72,6 +72,7 @@ RECONNECT_ATTEMPTS = 4
 RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a second
 _NO_SAVEPOINT = contextlib.nullcontext()
 LISTEN_CHECK_S = 5.0
+CLAIMED_WAIT_S = 5.0
 _IDLE, _INTRANS = psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS
 _SAVEPOINT = "SAVEPOINT command"
 _NEXT_SAVEPOINT = "RELEASE SAVEPOINT command; SAVEPOINT command"
@@ -133,10 +134,11 @@ class _Batch:
     holds (taken by commands that committed into it) and what it knows of them, whether
     it wrote, and what broke it, if anything (then none of it commits)."""
 
-    __slots__ = ("conn", "failure", "known", "locked", "savepoint", "wrote")
+    __slots__ = ("conn", "failure", "known", "locked", "prefix", "savepoint", "wrote")
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], prefix: str | None) -> None:
         self.conn = conn
+        self.prefix = prefix  # locked by the command that opens the transaction
         self.locked: set[str] = set()
         self.known = _Known()
         self.wrote = False
@@ -591,22 +593,19 @@ class PostgresQueueStore(QueueStore):
         and one COMMIT; each is a savepoint of it, undone alone if it fails, but for the
         first, which opens the transaction (a failing first command rolls it back: it held
         nothing else). Lost with its connection, the whole batch is re-run (`batched`).
-        `prefix`: its lock is taken first, so that commands by queue id about its items
-        find them in one statement (`find`)."""
+        `prefix`: its lock is taken first (by the command that opens the transaction), so
+        that commands by queue id about its items find them in one statement (`find`)."""
         if getattr(self._local, "batch", None) is not None:
             yield
             return
         conn = self._connection()
-        batch = _Batch(conn)
+        batch = _Batch(conn, prefix)
         effects: list[Callable[[], object]] = []
         self._local.batch, self._local.effects = batch, effects
         xid: int | None = None
         committing = False
         try:
             try:
-                if prefix is not None:
-                    with self._atomic() as tx:
-                        tx.lock(prefix)
                 yield  # each command is watched on its own (`_command_in`)
                 if batch.failure is not None:
                     raise batch.failure
@@ -652,6 +651,8 @@ class PostgresQueueStore(QueueStore):
                         # one round trip (psycopg's own savepoint blocks take two).
                         conn.execute(_NEXT_SAVEPOINT if batch.savepoint else _SAVEPOINT)
                         batch.savepoint = True
+                    elif batch.prefix is not None:
+                        tx.lock(batch.prefix)  # the batch's prefix, before any row
                     yield tx
                 except BaseException as exc:
                     with contextlib.suppress(psycopg.Error):
@@ -867,27 +868,61 @@ class PostgresQueueStore(QueueStore):
         table is read again only when a notification may have been missed."""
         v.check_key(key)
         v.check_non_negative_ms("timeout", timeout_ms)
+        return await self._blocking_until(key, self._deadline(timeout_ms), None)
+
+    async def result_blocking_wait(
+        self, key: QueueKey, timeout_ms: int, waiter: Waiter
+    ) -> ResultResponse | None:
+        return await self._blocking_until(key, self._deadline(timeout_ms), waiter)
+
+    @staticmethod
+    def _deadline(timeout_ms: int) -> float:
+        return asyncio.get_running_loop().time() + timeout_ms / 1000
+
+    async def _blocking_until(
+        self, key: QueueKey, deadline: float, waiter: Waiter | None
+    ) -> ResultResponse | None:
+        """Until `deadline` (loop time): subscribe, look, wait for the ACK; looked again
+        whenever a notification may have been missed. `waiter`: subscribed, and its first
+        look done already (in a server's batch)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_ms / 1000
         while True:
-            waiter = self.waiters.subscribe(key)
-            try:
-                found: ResultResponse | None = await self.run_off_loop(
-                    self._again_if_disconnected, functools.partial(self._lookup, key)
-                )
+            if waiter is None:
+                waiter = self.waiters.subscribe(key)
+                try:
+                    found: ResultResponse | None = await self.run_off_loop(
+                        self._again_if_disconnected, functools.partial(self._lookup, key)
+                    )
+                except BaseException:
+                    self.waiters.unsubscribe(waiter)
+                    raise
                 if found is not None:
+                    self.waiters.unsubscribe(waiter)
                     return found
+            try:
                 event = await self._await_ack(waiter, deadline)
-                if event is None:
-                    if loop.time() >= deadline:
-                        return None
-                    continue  # a notification may have been missed: read the table again
+                if event is None and waiter.claimed:
+                    event = await self._claimed_event(waiter)
             finally:
                 self.waiters.unsubscribe(waiter)
-            taken: ResultResponse | None = await self.run_off_loop(
-                self._again_if_disconnected, functools.partial(self._take, key, event)
-            )
-            return taken
+            if event is not None:
+                taken: ResultResponse | None = await self.run_off_loop(
+                    self._again_if_disconnected, functools.partial(self._take, key, event)
+                )
+                return taken
+            if loop.time() >= deadline:
+                return None
+            waiter = None  # a notification may have been missed: subscribe, read again
+
+    @staticmethod
+    async def _claimed_event(waiter: Waiter) -> AckEvent | None:
+        """An ACK on a lane took the result for this waiter, which timed out before it
+        committed: its event comes as the ACK commits (within CLAIMED_WAIT_S, or it did
+        not commit: nothing was taken)."""
+        try:
+            return await wait_within(waiter.future, CLAIMED_WAIT_S)
+        except TimeoutError:
+            return None
 
     async def _await_ack(self, waiter: Waiter, deadline: float) -> AckEvent | None:
         """The ACK's event; None at the deadline, or when a re-check is due: the listener

@@ -316,8 +316,8 @@ class QueueStore(OffLoop, ListingCommands):
         now = self.clock.now_ms()
         tx.delete(item)
         # A waiter by id takes the result as it wakes: taken here, waking costs no transaction
-        # (not by a blocking store: the waiter may time out on the loop before this commits).
-        taken = result is not None and not self.blocking and self.waiters.waiting(item.id)
+        # (claimed: timing out meanwhile on a blocking store's loop, it waits for this).
+        taken = result is not None and self.waiters.claim(item.id)
         if result is not None:
             tx.insert_result(
                 StoredResult(
@@ -365,13 +365,15 @@ class QueueStore(OffLoop, ListingCommands):
     @queue_command(response=ResultResponse, resend="by_id")
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         """QUEUE RESULT_BLOCKING timeout key: RESULT, or wait up to `timeout_ms` for the ACK.
-
         The waiter subscribes before it reads, so an ACK in between is never missed. An ACK
-        with NULL answers a row whose payload is None; a timeout answers None.
-        """
+        with NULL answers a row whose payload is None; a timeout answers None."""
         found, waiter = self.result_blocking_start(key, timeout_ms)
-        if waiter is None:
-            return found
+        return found if waiter is None else await self.result_blocking_wait(key, timeout_ms, waiter)
+
+    async def result_blocking_wait(
+        self, key: QueueKey, timeout_ms: int, waiter: Waiter
+    ) -> ResultResponse | None:
+        """After the first half found nothing: the ACK's answer, or None at the timeout."""
         try:
             event = await wait_within(waiter.future, timeout_ms / 1000)
         except TimeoutError:
@@ -473,12 +475,10 @@ class QueueStore(OffLoop, ListingCommands):
 
     @queue_command(served=False)
     def refresh_active_heartbeats(self) -> int:
-        """Give every active item a fresh heartbeat (not a QUEUE command).
-
-        For a store coming back after an outage: while it was down nobody could heartbeat,
-        so a stale heartbeat is no evidence that an executor died. Live executors get one
-        full heartbeat timeout to reconnect; dead ones are still reaped after it.
-        """
+        """Give every active item a fresh heartbeat (not a QUEUE command), for a store back
+        after an outage: nobody could heartbeat meanwhile, so a stale heartbeat is no proof
+        of a dead executor. Live ones get a heartbeat timeout to reconnect; dead ones are
+        still reaped after it."""
         now = self.clock.now_ms()
         with self._atomic() as tx:
             return tx.refresh_active_heartbeats(now)

@@ -27,21 +27,33 @@ class AckEvent:
 
 
 class Waiter:
-    __slots__ = ("future", "key", "loop")
+    __slots__ = ("claimed", "future", "key", "loop")
 
     def __init__(self, key: QueueKey, loop: asyncio.AbstractEventLoop) -> None:
         self.key = key
         self.loop = loop
         self.future: asyncio.Future[AckEvent] = loop.create_future()
+        # An ACK has taken the result for it and has yet to commit: its event is due, so
+        # a waiter whose timeout comes first waits for it rather than answer nothing.
+        self.claimed = False
 
 
 class ResultWaiters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[QueueKey, set[Waiter]] = {}
+        # The loop of a waiter subscribed on a thread with none (a blocking store's lane,
+        # running a server's batch): the server's, set when it starts.
+        self.home: asyncio.AbstractEventLoop | None = None
 
     def subscribe(self, key: QueueKey) -> Waiter:
-        waiter = Waiter(key, asyncio.get_running_loop())
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            if self.home is None:
+                raise
+            loop = self.home
+        waiter = Waiter(key, loop)
         with self._lock:
             self._waiters.setdefault(key, set()).add(waiter)
         return waiter
@@ -57,6 +69,14 @@ class ResultWaiters:
     def waiting(self, key: QueueKey) -> bool:
         with self._lock:
             return key in self._waiters
+
+    def claim(self, key: QueueKey) -> bool:
+        """Whether `key` has waiters, each then `claimed` (see Waiter)."""
+        with self._lock:
+            waiters = self._waiters.get(key, ())
+            for waiter in waiters:
+                waiter.claimed = True
+            return bool(waiters)
 
     def count(self) -> int:
         with self._lock:

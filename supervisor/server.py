@@ -352,6 +352,9 @@ class QueueServer:
             self._socket_lock.release()
             raise
         self._stop_watching = self.store.watch_slots(self._nudge_soon)
+        # A blocking store runs a batch's long polls' first look on its lane: their waiters
+        # belong to this loop.
+        self.store.waiters.home = asyncio.get_running_loop()
         # Coming back after a crash: executors that lived through the outage could not
         # heartbeat, so give them a full timeout to reconnect before anything is reaped.
         self.store.refresh_active_heartbeats()
@@ -524,7 +527,7 @@ class QueueServer:
         if request is None:
             return
         self._enqueue(request)
-        if request.then_wait is not None and not self.store.blocking:
+        if request.then_wait is not None:
             # In the same batch as its ADD, or the next: it reads the id the ADD answered.
             self._enqueue(_follow_up(request))
 
@@ -539,7 +542,7 @@ class QueueServer:
                 )
                 connection.send({"id": request.id, "error": error_payload(error)})
                 return
-            if self.store.blocking:
+            if self.store.blocking and request.follows is None:
                 self._park(request, asyncio.ensure_future(self._result_blocking(request)))
                 return
             # Its first look runs in the batch (a savepoint of the batch's transaction, not
@@ -797,7 +800,8 @@ class QueueServer:
         groups: dict[str | None, list[_Request]] = {}
         held = self.pool.job if self.pool is not None else None
         for request in batch:
-            route = route_of(tuple(request.args))
+            # A long poll sent with its ADD runs with it (it reads the id the ADD answers).
+            route = route_of(tuple((request.follows or request).args))
             if route is None and held is not None and request.args:
                 job = held(request.args[0]) if isinstance(request.args[0], int) else None
                 route = job.path.rpartition(":")[0] if job is not None else None
@@ -907,10 +911,26 @@ class QueueServer:
     def _attempt(
         self, batch: list[_Request]
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
-        answers = [self._run(request) for request in batch]
+        answers: list[tuple[bool, Any]] = []
+        added: set[int] = set()  # the ADDs of this transaction that inserted their item
+        for request in batch:
+            if request.follows is not None and id(request.follows) in added:
+                answers.append(self._wait_for_new(request))
+                continue
+            answers.append(self._run(request))
+            ok, answer = answers[-1]
+            if ok and request.then_wait is not None and answer.added:
+                added.add(id(request))
         if self._pool_may_retrieve(batch, answers):
             return answers, self._retrieve_for_pool()
         return answers, None
+
+    def _wait_for_new(self, request: _Request) -> tuple[bool, Any]:
+        """The long poll of an item its ADD inserted in this same transaction: nothing can
+        have answered it yet, so it subscribes (before the item is visible to anyone)
+        without a look."""
+        _follow_key(request)
+        return True, self.store.waiters.subscribe(request.args[0])
 
     def _pool_may_retrieve(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> bool:
         if self.pool is None or self.pool.queue is None or self._stopping or self.pool.stopping:
@@ -993,7 +1013,7 @@ class QueueServer:
             metrics.batch(len(batch))
         for request, (ok, answer) in zip(batch, answers, strict=True):
             request.connection.in_flight -= 1
-            if request.method == "result_blocking" and not self.store.blocking:
+            if request.method == "result_blocking":  # it came through the inbox
                 request.connection.polls_queued -= 1
                 if ok and isinstance(answer, Waiter):
                     self._park_poll(request, answer)
@@ -1038,8 +1058,6 @@ class QueueServer:
             return False, StoreError(f"{request.method} failed: {exc!r}")
 
     def _answer(self, request: _Request, ok: bool, answer: Any, poke: bool = True) -> None:
-        if request.then_wait is not None and self.store.blocking:
-            self._wait_after(request)
         command = COMMANDS.get(request.method)
         if ok and command is not None and (command.adds or command.frees_slot) and self.pool:
             if poke:
@@ -1114,16 +1132,6 @@ class QueueServer:
         # Its segment went back to the pool (a late re-read): as if there were no result.
         return None
 
-    def _wait_after(self, add: _Request) -> None:
-        """A blocking store's long poll sent with its ADD: once the ADD is answered."""
-        follow = _follow_up(add)
-        try:
-            _follow_key(follow)
-        except InvalidCommandError as exc:
-            follow.connection.send({"id": follow.id, "error": error_payload(exc)})
-            return
-        self._enqueue(follow)
-
     def _park_poll(self, request: _Request, waiter: Waiter) -> None:
         """A long poll whose first look found nothing waits for its ACK's event (at
         shutdown: answered at once, with its timeout answer)."""
@@ -1135,14 +1143,25 @@ class QueueServer:
             self.stats.record(request.method, time.monotonic() - request.received, ok)
             self._answer(request, ok, answer)
 
+        if self.store.blocking:  # its ACK may come from another host: the store waits
+            task = asyncio.ensure_future(self._result_blocking(request, waiter))
+            self._park(request, task)
+            if self._stopping or request.connection.closed:
+                task.cancel()
+            return
         poll = ParkedPoll(self.store, key, timeout_ms, waiter, finish)
         parked.add(poll)
         if self._stopping or request.connection.closed:
             poll.cancel()
 
-    async def _result_blocking(self, request: _Request) -> None:
+    async def _result_blocking(self, request: _Request, waiter: Waiter | None = None) -> None:
+        """A blocking store's long poll; `waiter`: its first look ran in a batch."""
         try:
-            answer = await self.store.result_blocking(*request.args, **request.kwargs)
+            if waiter is None:
+                answer = await self.store.result_blocking(*request.args, **request.kwargs)
+            else:
+                key, timeout_ms = _poll_args(request)
+                answer = await self.store.result_blocking_wait(key, timeout_ms, waiter)
         except asyncio.CancelledError:
             # Shutdown or hang-up: a parked long-poll gets its timeout answer.
             answer = None
@@ -1150,5 +1169,8 @@ class QueueServer:
             self.stats.record(request.method, time.monotonic() - request.received, False)
             self._answer(request, False, exc)
             return
+        finally:
+            if waiter is not None:  # cancelled before it ever waited
+                self.store.waiters.unsubscribe(waiter)
         self.stats.record(request.method, time.monotonic() - request.received, True)
         self._answer(request, True, answer)

@@ -78,6 +78,24 @@ async def _long_polls(driver: SocketQueueDriver, count: int) -> bool:
     return int((await driver.stats())["long_polls"]) == count
 
 
+async def test_the_long_poll_sent_with_its_add_looks_in_the_adds_batch(
+    served: QueueServer,
+) -> None:
+    """On every store, a blocking one included: the ADD and its long poll's first look are
+    one batch (one transaction), not a transaction each."""
+    caller, worker = SocketQueueDriver(served.socket_path), SocketQueueDriver(served.socket_path)
+    try:
+        added = await caller.add("p:k", "{}", then_wait_ms=10_000)
+        await wait_until(lambda: _long_polls(caller, 1), what="the pipelined long poll parked")
+        assert (served.stats.batches, served.stats.batched_commands) == (1, 2)
+        assert (await worker.ack(added.id, '{"result": 5}')).success
+        got = await caller.result_blocking(added.id, 10_000)
+        assert got is not None and got.payload == '{"result": 5}'
+    finally:
+        await caller.close()
+        await worker.close()
+
+
 async def test_a_result_already_there_answers_the_pipelined_poll_at_once(
     served: QueueServer,
 ) -> None:

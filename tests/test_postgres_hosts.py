@@ -716,27 +716,35 @@ def test_a_database_error_in_a_batch_undoes_its_command_alone(
         store.close()
 
 
-async def test_a_waiter_that_times_out_while_its_ack_commits_leaves_the_result_to_join() -> None:
-    """The ACK commits on a lane while its waiter by id may time out on the loop: the ACK
-    does not take the result for that waiter (it may never get it), so the caller's next
-    ADD of the path joins the answered item instead of running the query again."""
+async def test_a_waiter_whose_timeout_comes_while_its_ack_commits_gets_the_result() -> None:
+    """The ACK commits on a lane while its waiter by id may time out on the loop. The ACK
+    takes the result for that waiter (claims it), so the waiter, timed out meanwhile,
+    waits for the ACK's event instead of answering nothing: the result is not consumed
+    for nobody (the caller would run the query again)."""
     from tests.postgres_util import postgres_store
 
     store = postgres_store()
+    release = threading.Event()
     try:
         qid = store.add("p:a", "{}").id
-        found, waiter = store.result_blocking_start(qid, 10_000)
+        found, waiter = store.result_blocking_start(qid, 100)
         assert found is None and waiter is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        poll = asyncio.ensure_future(store.result_blocking_wait(qid, 100, waiter))
 
-        def work() -> bool:
+        def ack_then_hold() -> bool:
             acked: bool = store.ack(qid, '{"r":1}').success
-            store.waiters.unsubscribe(waiter)  # its timeout, before the ACK has committed
+            release.wait(10)  # the ACK's transaction has not committed yet
             return acked
 
-        assert store.batched(work, lambda _: None, "p")
-        joined = store.add("p:a", "{}", if_no_result=True)
-        assert not joined.added and joined.id == qid
-        got = store.result(qid)
+        acking = loop.run_in_executor(None, store.batched, ack_then_hold, lambda _: None, "p")
+        await wait_until(lambda: waiter.claimed and loop.time() > started + 0.3, within=10)
+        assert not poll.done()  # past its timeout, waiting for the claimed event
+        release.set()
+        assert await acking
+        got = await asyncio.wait_for(poll, 10)
         assert got is not None and got.payload == '{"r":1}'
     finally:
+        release.set()
         store.close()
