@@ -129,6 +129,22 @@ class _Known:
             rows.remove((item.id, item.key))
 
 
+class _Ending:
+    """How far a transaction got towards its COMMIT, and its id if it wrote: a COMMIT
+    whose answer is lost is looked up by it (`txid_status`)."""
+
+    __slots__ = ("committing", "xid")
+
+    def __init__(self) -> None:
+        self.xid: int | None = None
+        self.committing = False
+
+    def commit_next(self, conn: psycopg.Connection[Any], wrote: bool) -> None:
+        if wrote:  # a read-only transaction costs no round trip for it
+            self.xid = _scalar(conn, "SELECT txid_current_if_assigned()")
+        self.committing = True
+
+
 class _Batch:
     """A group commit in progress on one thread's connection: the prefixes whose lock it
     holds (taken by commands that committed into it) and what it knows of them, whether
@@ -602,10 +618,9 @@ class PostgresQueueStore(QueueStore):
         batch = _Batch(conn, prefix)
         effects: list[Callable[[], object]] = []
         self._local.batch, self._local.effects = batch, effects
-        xid: int | None = None
-        committing = False
+        ending = _Ending()
         try:
-            try:
+            with self._ended(conn, ending):
                 yield  # each command is watched on its own (`_command_in`)
                 if batch.failure is not None:
                     raise batch.failure
@@ -614,15 +629,8 @@ class PostgresQueueStore(QueueStore):
                     raise StoreError("queue database: the batch's transaction was aborted")
                 if conn.info.transaction_status == _INTRANS:
                     with self._watchdog.watching(conn):
-                        if batch.wrote:
-                            xid = _scalar(conn, "SELECT txid_current_if_assigned()")
-                        committing = True
+                        ending.commit_next(conn, batch.wrote)
                         conn.commit()
-            except psycopg.OperationalError as exc:
-                if not self._committed_after_all(conn, exc, xid, committing):
-                    raise
-            except psycopg.Error as exc:
-                raise StoreError(f"queue database: {exc}") from exc
         finally:
             self._local.batch = self._local.effects = None
             if not conn.broken and conn.info.transaction_status != _IDLE:  # it did not commit
@@ -698,28 +706,28 @@ class PostgresQueueStore(QueueStore):
         conn = self._connection()
         effects: list[Callable[[], object]] = []
         self._local.effects = effects
-        xid: int | None = None
-        committing = False
+        ending = _Ending()
         try:
-            with self._watchdog.watching(conn):
-                try:
-                    with conn.transaction():
-                        tx = PostgresTransaction(conn, self.channel, self.schema)
-                        yield tx
-                        # Its id, if it wrote (a read-only one costs no round trip): a
-                        # COMMIT whose answer is lost can be looked up (txid_status).
-                        if tx.wrote:
-                            xid = _scalar(conn, "SELECT txid_current_if_assigned()")
-                        committing = True  # leaving the block sends COMMIT
-                except psycopg.OperationalError as exc:
-                    if not self._committed_after_all(conn, exc, xid, committing):
-                        raise
-                except psycopg.Error as exc:
-                    raise StoreError(f"queue database: {exc}") from exc
+            with self._watchdog.watching(conn), self._ended(conn, ending), conn.transaction():
+                tx = PostgresTransaction(conn, self.channel, self.schema)
+                yield tx
+                ending.commit_next(conn, tx.wrote)  # leaving the block sends COMMIT
         finally:
             self._local.effects = None
         for effect in effects:  # decide, then act: only what has committed is told
             effect()
+
+    @contextmanager
+    def _ended(self, conn: psycopg.Connection[Any], ending: _Ending) -> Iterator[None]:
+        """psycopg's errors as the store reports them; a connection lost during COMMIT is
+        looked up by the transaction's id, and one that committed after all stands."""
+        try:
+            yield
+        except psycopg.OperationalError as exc:
+            if not self._committed_after_all(conn, exc, ending.xid, ending.committing):
+                raise
+        except psycopg.Error as exc:
+            raise StoreError(f"queue database: {exc}") from exc
 
     def _after_commit(self, effect: Callable[[], object]) -> None:
         effects: list[Callable[[], object]] | None = getattr(self._local, "effects", None)
