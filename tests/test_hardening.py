@@ -20,7 +20,7 @@ import pytest
 from queryqueue import AuthenticationError, MemoryQueueStore, SocketQueueDriver, SqliteQueueStore
 from queryqueue.supervisor.protocol import read_frame
 from queryqueue.supervisor.server import Limits, QueueServer
-from tests.supervisor_util import REPO, start_supervisor
+from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.waiting import wait_until, wait_until_sync
 
 
@@ -65,7 +65,9 @@ def test_a_tcp_listener_cannot_be_made_without_a_token() -> None:
 def test_tcp_clients_must_present_the_token_before_any_command(workdir: Path) -> None:
     supervisor = start_supervisor(workdir / "queue.db", workdir / "s.sock", "--tcp-port", "0")
     try:
-        found = re.search(r"listening on tcp \('127\.0\.0\.1', (\d+)\)", supervisor.log.read_text())
+        # Printed once both sockets listen, which may come after the Unix socket answers.
+        wait_until_sync(lambda: _tcp_line(supervisor), within=30, what="the TCP listening line")
+        found = _tcp_line(supervisor)
         assert found, supervisor.log.read_text()
         port = int(found.group(1))
         token_file = workdir / "s.sock.token"
@@ -104,6 +106,10 @@ def test_tcp_clients_must_present_the_token_before_any_command(workdir: Path) ->
             asyncio.run(without_token())
     finally:
         assert supervisor.stop() == 0
+
+
+def _tcp_line(supervisor: SupervisorProcess) -> re.Match[str] | None:
+    return re.search(r"listening on tcp \('127\.0\.0\.1', (\d+)\)", supervisor.log.read_text())
 
 
 # -- the socket's directory -------------------------------------------------------------------
