@@ -66,10 +66,6 @@ class ResultWaiters:
                 if not waiters:
                     del self._waiters[waiter.key]
 
-    def waiting(self, key: QueueKey) -> bool:
-        with self._lock:
-            return key in self._waiters
-
     def claim(self, key: QueueKey) -> bool:
         """Whether `key` has waiters, each then `claimed` (see Waiter)."""
         with self._lock:

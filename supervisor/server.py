@@ -1135,6 +1135,12 @@ class QueueServer:
     def _park_poll(self, request: _Request, waiter: Waiter) -> None:
         """A long poll whose first look found nothing waits for its ACK's event (at
         shutdown: answered at once, with its timeout answer)."""
+        if self.store.blocking:  # its ACK may come from another host: the store waits
+            task = asyncio.ensure_future(self._result_blocking(request, waiter))
+            self._park(request, task)
+            if self._stopping or request.connection.closed:
+                task.cancel()
+            return
         key, timeout_ms = _poll_args(request)
         parked = request.connection.parked
 
@@ -1143,12 +1149,6 @@ class QueueServer:
             self.stats.record(request.method, time.monotonic() - request.received, ok)
             self._answer(request, ok, answer)
 
-        if self.store.blocking:  # its ACK may come from another host: the store waits
-            task = asyncio.ensure_future(self._result_blocking(request, waiter))
-            self._park(request, task)
-            if self._stopping or request.connection.closed:
-                task.cancel()
-            return
         poll = ParkedPoll(self.store, key, timeout_ms, waiter, finish)
         parked.add(poll)
         if self._stopping or request.connection.closed:
