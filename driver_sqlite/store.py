@@ -41,9 +41,50 @@ from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
 Synchronous = Literal["NORMAL", "FULL"]
 
 
-class SqliteTransaction:
-    def __init__(self, conn: sqlite3.Connection) -> None:
+class _Savepoint:
+    """A command's savepoint inside a batch, opened by its first write: a command that only
+    reads costs no SAVEPOINT and RELEASE. (Left open until the COMMIT instead of released,
+    savepoints measured slower: every page written checks each one still open.)"""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         self._c = conn
+        self._path = path
+        self.opened = False
+
+    def open(self) -> None:
+        if self.opened:
+            return
+        try:
+            self._c.execute("SAVEPOINT command")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open a savepoint on {self._path}: {exc}") from exc
+        self.opened = True
+
+    def undo(self) -> None:
+        if self.opened:  # else there is nothing to undo, and no savepoint of its own
+            with suppress(sqlite3.Error):
+                self._c.execute("ROLLBACK TO command")
+                self._c.execute("RELEASE command")
+
+    def release(self) -> None:
+        if self.opened:
+            try:
+                self._c.execute("RELEASE command")
+            except sqlite3.Error as exc:
+                raise StoreError(f"queue database {self._path}: {exc}") from exc
+
+
+class SqliteTransaction:
+    """The hooks on one connection. Inside a batch, `savepoint` is the command's: every
+    write calls `_write()` first, so a command that only reads opens none."""
+
+    def __init__(self, conn: sqlite3.Connection, savepoint: _Savepoint | None = None) -> None:
+        self._c = conn
+        self._savepoint = savepoint
+
+    def _write(self) -> None:
+        if self._savepoint is not None:
+            self._savepoint.open()
 
     def _one(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         row: tuple[Any, ...] | None = self._c.execute(sql, params).fetchone()
@@ -66,6 +107,7 @@ class SqliteTransaction:
         return self._one("SELECT 1 FROM items WHERE external_id = ?", (external_id,)) is not None
 
     def insert(self, item: Item) -> QueueId:
+        self._write()
         row = self._one(
             "INSERT INTO items (prefix, key, status, priority, created, heartbeat, orphaned, extra,"
             " process_id, exclusive, external_id, payload)"
@@ -93,6 +135,7 @@ class SqliteTransaction:
         return int(row[0])
 
     def _count(self, prefix: str, pending: int, active: int) -> None:
+        self._write()
         self._c.execute(
             "INSERT INTO prefix_counts (prefix, pending, active) VALUES (?, ?, ?)"
             " ON CONFLICT (prefix) DO UPDATE SET pending = pending + excluded.pending,"
@@ -101,6 +144,7 @@ class SqliteTransaction:
         )
 
     def activate(self, item: Item, now: int, extra: str | None) -> None:
+        self._write()
         self._c.execute(
             "UPDATE items SET status = ?, heartbeat = ?, extra = ? WHERE id = ?",
             (ACTIVE, now, extra, item.id),
@@ -108,15 +152,19 @@ class SqliteTransaction:
         self._count(item.prefix, -1, 1)
 
     def set_heartbeat(self, item: Item, now: int) -> None:
+        self._write()
         self._c.execute("UPDATE items SET heartbeat = ? WHERE id = ?", (now, item.id))
 
     def set_orphaned(self, item: Item, deadline: int) -> None:
+        self._write()
         self._c.execute("UPDATE items SET orphaned = ? WHERE id = ?", (deadline, item.id))
 
     def set_extra(self, item: Item, extra: str | None) -> None:
+        self._write()
         self._c.execute("UPDATE items SET extra = ? WHERE id = ?", (extra, item.id))
 
     def delete(self, item: Item) -> None:
+        self._write()
         self._c.execute("DELETE FROM items WHERE id = ?", (item.id,))
         if item.status == "pending":
             self._count(item.prefix, -1, 0)
@@ -178,6 +226,7 @@ class SqliteTransaction:
     # -- results ------------------------------------------------------------------------
 
     def insert_result(self, result: StoredResult) -> None:
+        self._write()
         self._c.execute(
             "INSERT OR REPLACE INTO results (id, path, value, deleted, expire, external_id,"
             " consumed_by) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -218,15 +267,18 @@ class SqliteTransaction:
         )
 
     def mark_result_consumed(self, id: QueueId, consumer: str | None = None) -> None:
+        self._write()
         self._c.execute(
             "UPDATE results SET deleted = 1, consumed_by = ? WHERE id = ? AND deleted = 0",
             (consumer, id),
         )
 
     def delete_result(self, id: QueueId) -> None:
+        self._write()
         self._c.execute("DELETE FROM results WHERE id = ?", (id,))
 
     def purge_expired_results(self, now: int, limit: int) -> int:
+        self._write()
         cursor = self._c.execute(
             "DELETE FROM results WHERE id IN (SELECT id FROM results WHERE expire <= ? LIMIT ?)",
             (now, limit),
@@ -248,6 +300,7 @@ class SqliteTransaction:
         return found, int(row[0]) if row else 0
 
     def refresh_active_heartbeats(self, now: int) -> int:
+        self._write()
         cursor = self._c.execute("UPDATE items SET heartbeat = ? WHERE status = ?", (now, ACTIVE))
         return cursor.rowcount
 
@@ -255,6 +308,7 @@ class SqliteTransaction:
         pass  # one process: waiters are woken in process, after the commit
 
     def truncate(self) -> None:
+        self._write()
         # DELETE rather than DROP: AUTOINCREMENT keeps counting, so ids are never reused.
         self._c.execute("DELETE FROM items")
         self._c.execute("DELETE FROM results")
@@ -309,8 +363,17 @@ class SqliteQueueStore(QueueStore):
     @contextmanager
     def _atomic(self) -> Iterator[SqliteTransaction]:
         if self._in_batch:
-            with self._lock, self._savepoint():
-                yield SqliteTransaction(self._conn)
+            # One command inside a batch: undone alone if it fails, the batch goes on.
+            with self._lock:
+                savepoint = _Savepoint(self._conn, self.path)
+                try:
+                    yield SqliteTransaction(self._conn, savepoint)
+                except BaseException as exc:
+                    savepoint.undo()
+                    if isinstance(exc, sqlite3.Error):
+                        raise StoreError(f"queue database {self.path}: {exc}") from exc
+                    raise
+                savepoint.release()
             return
         with self._lock:
             try:
@@ -331,27 +394,6 @@ class SqliteQueueStore(QueueStore):
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
                 raise StoreError(f"cannot commit to {self.path}: {exc}") from exc
-
-    @contextmanager
-    def _savepoint(self) -> Iterator[None]:
-        # One command inside a batch: undone alone if it fails, the batch goes on.
-        try:
-            self._conn.execute("SAVEPOINT command")
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open a savepoint on {self.path}: {exc}") from exc
-        try:
-            yield
-        except BaseException as exc:
-            with suppress(sqlite3.Error):
-                self._conn.execute("ROLLBACK TO command")
-                self._conn.execute("RELEASE command")
-            if isinstance(exc, sqlite3.Error):
-                raise StoreError(f"queue database {self.path}: {exc}") from exc
-            raise
-        try:
-            self._conn.execute("RELEASE command")
-        except sqlite3.Error as exc:
-            raise StoreError(f"queue database {self.path}: {exc}") from exc
 
     @contextmanager
     def batch(self, prefix: str | None = None) -> Iterator[None]:

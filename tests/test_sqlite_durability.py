@@ -156,3 +156,62 @@ def test_unopenable_database_is_a_store_error(tmp_path: Path) -> None:
         SqliteQueueStore(not_a_db)
     with pytest.raises(ValueError, match="synchronous"):
         SqliteQueueStore(tmp_path / "x.db", synchronous="OFF")  # type: ignore[arg-type]
+
+
+def test_a_command_failing_in_a_batch_is_undone_alone_after_its_writes_or_before_any(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside a batch a command's savepoint opens at its first write. An ACK that fails
+    after its DELETE is rolled back to its own savepoint; an ADD that fails before writing
+    anything rolls back nothing, not the command before it."""
+    from queryqueue.driver_sqlite.store import SqliteTransaction
+
+    def failing_counts(self: SqliteTransaction, prefix: str) -> tuple[int, int]:
+        raise sqlite3.OperationalError("counts refused")
+
+    def failing_insert_result(self: SqliteTransaction, result: object) -> None:
+        raise sqlite3.OperationalError("insert_result refused")
+
+    store = SqliteQueueStore(tmp_path / "queue.db")
+    try:
+        first = store.add("p:a", "{}").id
+
+        def work() -> list[object]:
+            answers: list[object] = []
+            for command in (
+                lambda: store.add("p:b", "{}"),
+                lambda: store.add("q:x", "{}"),  # fails reading: no savepoint of its own
+                lambda: store.ack(first, '{"r": 1}'),  # fails after deleting the item
+                lambda: store.add("p:c", "{}"),
+            ):
+                try:
+                    answers.append(command())
+                except StoreError as exc:
+                    answers.append(exc)
+            return answers
+
+        with monkeypatch.context() as patch:
+            original = SqliteTransaction.counts
+            patch.setattr(
+                SqliteTransaction,
+                "counts",
+                lambda self, prefix: (
+                    failing_counts(self, prefix) if prefix == "q" else original(self, prefix)
+                ),
+            )
+            patch.setattr(SqliteTransaction, "insert_result", failing_insert_result)
+            answers = store.batched(work, lambda _: None)
+        assert [type(a).__name__ for a in answers] == [
+            "AddToQueueResponse",
+            "StoreError",
+            "StoreError",
+            "AddToQueueResponse",
+        ]
+        assert "counts refused" in str(answers[1]) and "insert_result refused" in str(answers[2])
+        assert [row.id for row in store.pending("p")] == ["a", "b", "c"]
+        assert store.pending("q") == []
+        assert store.result(first) is None
+        assert store.add("p:d", "{}").pending == 4  # the counters hold the undo too
+        assert store.ack(first, '{"r": 2}').success  # and the store goes on
+    finally:
+        store.close()
