@@ -8,6 +8,7 @@ heartbeat sleeps on the queue's injected clock, so tests step it instead of wait
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import threading
 import time
@@ -33,6 +34,7 @@ from queryqueue.engine.hashing import js_number
 from queryqueue.engine.outcome import CANCELLED_MESSAGE, encode_error
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.threads import HandlerThreads
 
 if TYPE_CHECKING:
     from queryqueue.engine.queue import QueryQueue
@@ -67,6 +69,7 @@ class Executor:
         self._threads_lock = threading.Lock()
         self._threads_done = threading.Condition(self._threads_lock)
         self._handler_threads = 0
+        self._threads = HandlerThreads()
 
     async def execute_query(self, retrieved: RetrievedQuery) -> bool:
         """Run a retrieved item to its ACK, then reconcile. Errors are logged, never raised;
@@ -204,8 +207,8 @@ class Executor:
             )
         else:
             # A sync handler runs in a thread so this loop keeps heartbeating.
-            execution.handler_task = asyncio.ensure_future(
-                asyncio.to_thread(self._in_thread, handler, query.get("query"), set_cancel_handler)
+            execution.handler_task = self._threads.run(
+                functools.partial(self._in_thread, handler, query.get("query"), set_cancel_handler)
             )
         try:
             value = await wait_within(execution.handler_task, self.queue.execution_timeout)

@@ -1,0 +1,62 @@
+"""The threads sync query handlers run in (engine/threads.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import threading
+
+import pytest
+
+from queryqueue.engine.threads import HandlerThreads
+
+REQUEST = contextvars.ContextVar("REQUEST", default="none")
+
+
+async def test_a_call_returns_raises_and_sees_the_callers_context() -> None:
+    threads = HandlerThreads()
+    REQUEST.set("r-1")
+    assert await threads.run(lambda: (REQUEST.get(), threading.current_thread().name)) == (
+        "r-1",
+        "queryqueue-handler",
+    )
+
+    def fails() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        await threads.run(fails)
+
+
+async def test_an_idle_thread_takes_the_next_call() -> None:
+    threads = HandlerThreads()
+    first = await threads.run(threading.get_ident)
+    # The thread counts itself idle just after it delivered: wait for that, not a sleep.
+    deadline = asyncio.get_running_loop().time() + 10
+    while threads._idle == 0:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.001)
+    assert await threads.run(threading.get_ident) == first
+
+
+async def test_every_call_at_once_has_a_thread_beyond_the_default_executors_cap() -> None:
+    """asyncio.to_thread would run min(32, cpus + 4) of these at a time and never fill
+    the barrier: a queue's concurrency is its own to set."""
+    at_once = min(32, (os.cpu_count() or 1) + 4) + 2
+    barrier = threading.Barrier(at_once, timeout=20)
+    threads = HandlerThreads()
+    indexes = await asyncio.gather(*(threads.run(barrier.wait) for _ in range(at_once)))
+    assert sorted(indexes) == list(range(at_once))
+
+
+async def test_a_cancelled_call_runs_on_without_holding_up_the_next() -> None:
+    threads = HandlerThreads()
+    release = threading.Event()
+    stuck = threads.run(lambda: release.wait(20))
+    stuck.cancel()  # as a timed-out handler's future is: the thread cannot be stopped
+    try:
+        assert await asyncio.wait_for(threads.run(lambda: "next"), 10) == "next"
+        assert stuck.cancelled()
+    finally:
+        release.set()
