@@ -54,6 +54,10 @@ class _Savepoint:
     def open(self) -> None:
         if self.opened:
             return
+        if not self._c.in_transaction:
+            # SQLite rolled the whole batch back (a full disk, say): a write now would
+            # commit on its own, statement by statement, apart from the rest of the batch.
+            raise StoreError(f"the batch's transaction on {self._path} was rolled back")
         try:
             self._c.execute("SAVEPOINT command")
         except sqlite3.Error as exc:

@@ -215,3 +215,97 @@ def test_a_command_failing_in_a_batch_is_undone_alone_after_its_writes_or_before
         assert store.ack(first, '{"r": 2}').success  # and the store goes on
     finally:
         store.close()
+
+
+def _counter_rows(db: Path) -> dict[str, tuple[int, int]]:
+    _assert_consistent(db)  # and they agree with the items
+    conn = sqlite3.connect(db)
+    try:
+        rows = conn.execute("SELECT prefix, pending, active FROM prefix_counts").fetchall()
+        return {prefix: (pending, active) for prefix, pending, active in rows if pending or active}
+    finally:
+        conn.close()
+
+
+def test_the_counters_hold_through_batches_a_batch_rolled_back_whole_and_a_reopen(
+    tmp_path: Path,
+) -> None:
+    """The counter rows match the items after batches, single commands and a batch rolled
+    back whole (its RETRIEVE's active item included), and a reopened store counts the same."""
+    db = tmp_path / "queue.db"
+    store = SqliteQueueStore(db)
+    try:
+        a = store.add("p:a", "{}").id
+        store.add("q:z", "{}")
+
+        def work() -> None:
+            store.add("p:b", "{}")
+            assert store.retrieve("p:b", concurrency=5) is not None
+            store.ack(a, '{"r": 1}')
+
+        store.batched(work, lambda _: None)
+
+        def rolled_back() -> None:
+            store.add("p:c", "{}")
+            assert store.retrieve("p:c", concurrency=5) is not None
+            raise RuntimeError("the batch is abandoned")
+
+        with pytest.raises(RuntimeError):
+            store.batched(rolled_back, lambda _: None)
+        # As committed: b active, nothing pending in p; c was never there.
+        answer = store.retrieve("p:b", concurrency=5)
+        assert answer is not None and answer.active == "b" and answer.pending == 0
+        assert store.add("p:c", "{}").pending == 1
+        store.batched(lambda: store.add("p:e", "{}"), lambda _: None)  # the last write
+    finally:
+        store.close()
+    assert _counter_rows(db) == {"p": (2, 1), "q": (1, 0)}
+    store = SqliteQueueStore(db)
+    try:
+        added = store.add("p:d", "{}")
+        assert added.pending == 3
+        assert store.retrieve("p:d", concurrency=5) is not None
+        assert [row.id for row in store.active("p")] == ["b", "d"]
+    finally:
+        store.close()
+    assert _counter_rows(db) == {"p": (2, 2), "q": (1, 0)}
+
+
+def test_after_sqlite_rolls_a_batch_back_its_later_commands_write_nothing_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some errors (a full disk) make SQLite roll back the whole transaction. The commands
+    of the batch after it must not write in autocommit, each statement on its own: they
+    fail, and the batch with them."""
+    from queryqueue.driver_sqlite.store import SqliteTransaction
+
+    def rolls_everything_back(self: SqliteTransaction, item: object, now: int) -> None:
+        self._c.execute("ROLLBACK")  # as SQLite does itself on SQLITE_FULL
+        raise sqlite3.OperationalError("database or disk is full")
+
+    store = SqliteQueueStore(tmp_path / "queue.db")
+    try:
+        first = store.add("p:a", "{}").id
+
+        def work() -> list[object]:
+            answers: list[object] = []
+            for command in (
+                lambda: store.add("p:b", "{}"),
+                lambda: store.heartbeat(first),
+                lambda: store.add("p:c", "{}"),
+            ):
+                try:
+                    answers.append(command())
+                except StoreError as exc:
+                    answers.append(exc)
+            return answers
+
+        with monkeypatch.context() as patch:
+            patch.setattr(SqliteTransaction, "set_heartbeat", rolls_everything_back)
+            with pytest.raises(StoreError):
+                store.batched(work, lambda _: None)
+        assert [row.id for row in store.pending("p")] == ["a"]
+        assert store.add("p:d", "{}").pending == 2
+    finally:
+        store.close()
+    _assert_consistent(tmp_path / "queue.db")
