@@ -56,6 +56,8 @@ _log = logging.getLogger("queryqueue.server")
 
 # The QUEUE commands a client may call, as the store declares them.
 COMMANDS = served()
+# How long an ADD may wait for the batch of the ACK that frees its slot (_may_hold).
+HOLD_ADDS_S = 0.002
 _LATENCY_SAMPLES = 2048
 
 
@@ -301,6 +303,7 @@ class QueueServer:
         tcp_token: str | None = None,
         limits: Limits | None = None,
         purge_interval: float = 10.0,
+        hold_adds_s: float = HOLD_ADDS_S,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
@@ -311,6 +314,7 @@ class QueueServer:
         self.tcp_token = tcp_token
         self.limits = limits or Limits()
         self.purge_interval = purge_interval
+        self.hold_adds_s = hold_adds_s
         self.store = store
         self.socket_path = Path(socket_path)
         self.tcp_host = tcp_host
@@ -326,6 +330,8 @@ class QueueServer:
         )
         self._servers: list[asyncio.Server] = []
         self._inbox: asyncio.Queue[_Request] = asyncio.Queue()
+        self._held: list[_Request] = []  # ADDs waiting for the next batch (_may_hold)
+        self._held_timer: asyncio.TimerHandle | None = None
         self._executor: asyncio.Task[None] | None = None
         self._lanes_busy: set[asyncio.Task[None]] = set()
         # A prefix whose batch is on its lane: what arrived for it since (`_to_lane`).
@@ -410,6 +416,7 @@ class QueueServer:
             for task in list(connection.parked):
                 task.cancel()
         await asyncio.sleep(0)
+        self._release_held()
         while not self._inbox.empty():
             self._run_batch()
         for background in (self._executor, self._sweeper):
@@ -549,7 +556,53 @@ class QueueServer:
             # a transaction of its own); not found, it parks as the batch is answered.
             connection.polls_queued += 1
         connection.in_flight += 1
+        if self._may_hold(request):
+            self._hold(request)
+            return
+        self._release_held()  # ahead of this one: the arrival order stands
         self._inbox.put_nowait(request)
+
+    def _may_hold(self, request: _Request) -> bool:
+        """An ADD for the pool's queue while the pool holds its budget cannot be retrieved
+        before a slot frees, and its caller waits for the result, not for this answer: it
+        waits (at most `hold_adds_s`) to run in the batch of the ACK that frees the slot.
+        Each SQLite transaction writes the same ~6 pages however many ADDs it holds (a
+        COMMIT's cost); this takes the ADD-only transactions away under load. The long
+        poll sent with it waits with it."""
+        if self._held and request.follows is self._held[-1]:
+            return True
+        pool = self.pool
+        if (
+            self.store.blocking  # lanes group a prefix's commands already
+            or pool is None
+            or pool.queue is None
+            or self._stopping
+            or self.hold_adds_s <= 0
+            or len(self._held) >= self.max_batch
+            or request.refused is not None
+        ):
+            return False
+        command = COMMANDS.get(request.method)
+        return (
+            command is not None
+            and command.adds
+            and pool.held >= pool.queue.concurrency
+            and route_of(tuple(request.args)) == pool.queue.prefix
+        )
+
+    def _hold(self, request: _Request) -> None:
+        self._held.append(request)
+        if self._held_timer is None:
+            loop = asyncio.get_running_loop()
+            self._held_timer = loop.call_later(self.hold_adds_s, self._release_held)
+
+    def _release_held(self) -> None:
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
+        for request in self._held:
+            self._inbox.put_nowait(request)
+        self._held.clear()
 
     @staticmethod
     def _park(request: _Request, parked: asyncio.Task[None]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import multiprocess
+import orjson
 import psutil
 import pytest
 
@@ -258,5 +259,56 @@ async def test_a_worker_killed_holding_a_query_sent_ahead_loses_nothing(
     finally:
         await queue.shutdown(grace=0)
         await driver.close()
+        await pool.stop(grace=0)
+        await server.stop()
+
+
+async def test_an_add_for_a_full_pool_waits_for_the_batch_of_the_ack_that_frees_a_slot(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the pool holds its budget an ADD for its queue cannot be retrieved: it waits
+    for the next command (here the ACK that frees a slot) and runs in that command's
+    batch, one transaction for both; with nothing else arriving, it runs at its deadline."""
+    from queryqueue.supervisor.server import QueueServer
+    from tests.apps.pool_app import app as pool_app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = MemoryQueueStore()
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
+    server = QueueServer(store, workdir / "s.sock", pool=pool, hold_adds_s=60.0)
+    await server.start()
+    driver, other = SocketQueueDriver(server.socket_path), SocketQueueDriver(server.socket_path)
+    queue = pool_app.pool_queue(driver)
+    prefix = queue.prefix
+    slow: list[asyncio.Future[Any]] = []
+    try:
+        await pool.start()
+        slow += [
+            asyncio.ensure_future(queue.run("sql", key, {"key": key, "seconds": 60.0}))
+            for key in ("slow0", "slow1")
+        ]
+        await wait_until(lambda: len(store.active(prefix)) == 2, within=30, what="a full pool")
+        definition = {"queryHandler": "sql", "query": {"key": "waits", "seconds": 60.0}}
+        adding = asyncio.ensure_future(
+            other.add(f"{prefix}:waits", orjson.dumps(definition).decode())
+        )
+        await wait_until(lambda: len(server._held) == 1, what="the ADD held")
+        assert not adding.done()
+        batches, commands = server.stats.batches, server.stats.batched_commands
+        assert (await other.ack(store.active(prefix)[0].queue_id, '{"r": 1}')).success
+        added = await asyncio.wait_for(adding, 10)
+        # One batch: the ACK freed the slot, the ADD filled it, the pool's retrieval took it.
+        assert (server.stats.batches, server.stats.batched_commands) == (batches + 1, commands + 2)
+        assert added.added and "waits" in [r.id for r in store.active(prefix)]
+        server.hold_adds_s = 0.05  # nothing else comes: it runs at its deadline
+        late = await asyncio.wait_for(other.add(f"{prefix}:late", '{"query": 2}'), 10)
+        assert late.added and server._held == []
+    finally:
+        for ask in slow:
+            ask.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+        await queue.shutdown(grace=0)
+        await driver.close()
+        await other.close()
         await pool.stop(grace=0)
         await server.stop()
