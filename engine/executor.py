@@ -265,6 +265,9 @@ class Executor:
                 if not self._handler_threads:
                     self._threads_done.notify_all()
 
+    def close(self) -> None:
+        self._threads.close()
+
     def wait_for_handler_threads(self, timeout: float | None = None) -> bool:
         """Block until no sync handler runs in a thread; False on timeout."""
         with self._threads_done:

@@ -481,6 +481,7 @@ class QueryQueue:
         """Shut down, and refuse new work from now on with `QueueClosedError`."""
         self._closed = True
         await self.shutdown(grace)
+        self.executor.close()  # its idle handler threads end
 
     async def _stop_background(self) -> None:
         while self._reconcile_task is not None or self._background:

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from queryqueue.engine.threads import HandlerThreads
+from tests.waiting import wait_until
 
 REQUEST = contextvars.ContextVar("REQUEST", default="none")
 
@@ -33,10 +34,7 @@ async def test_an_idle_thread_takes_the_next_call() -> None:
     threads = HandlerThreads()
     first = await threads.run(threading.get_ident)
     # The thread counts itself idle just after it delivered: wait for that, not a sleep.
-    deadline = asyncio.get_running_loop().time() + 10
-    while threads._idle == 0:
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.001)
+    await wait_until(lambda: threads._idle == 1, what="the thread idle")
     assert await threads.run(threading.get_ident) == first
 
 
@@ -60,3 +58,19 @@ async def test_a_cancelled_call_runs_on_without_holding_up_the_next() -> None:
         assert stuck.cancelled()
     finally:
         release.set()
+
+
+async def test_closed_its_threads_end_and_a_later_call_still_runs() -> None:
+    name = f"handler-test-{os.getpid()}-{id(object())}"
+    threads = HandlerThreads(name=name)
+
+    def alive() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == name)
+
+    assert await threads.run(lambda: 1) == 1
+    await wait_until(lambda: threads._idle == 1, what="the thread idle")
+    assert alive() == 1
+    threads.close()
+    await wait_until(lambda: alive() == 0, what="the idle thread ended")
+    assert await threads.run(lambda: 2) == 2  # on a thread of its own, which then ends
+    await wait_until(lambda: alive() == 0, what="the late call's thread ended")
