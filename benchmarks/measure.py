@@ -61,7 +61,7 @@ class TreeMeter:
 
     def _sample(self) -> None:
         # Finding the tree scans every process on the machine (~3 ms here): done on every
-        # tick, the meter took ~15 % of a core from the 2-core runs it measured. The tree
+        # tick, the meter took ~13 % of a core from the 2-core runs it measured. The tree
         # of a run changes rarely, so it is found again twice a second.
         known, ticks = self._processes(), 0
         while not self._stop.wait(self.interval):

@@ -65,29 +65,22 @@ class HandlerThreads:
                 return
             loop, future, context, call = work
             try:
-                _deliver(loop, future, context.run(call), None)
+                outcome: tuple[Any, BaseException | None] = (context.run(call), None)
             except BaseException as exc:  # delivered to the awaiting task, as to_thread does
-                _deliver(loop, future, None, exc)
-            del work, loop, future, context, call  # nothing of it kept alive while idle
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+            del work, loop, future, context, call, outcome  # nothing kept alive while idle
             with self._lock:
                 if self._closed:
                     return
                 self._idle += 1
 
 
-def _deliver(
-    loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future[Any],
-    value: Any,
-    error: BaseException | None,
-) -> None:
-    def settle() -> None:
-        if future.done():  # cancelled meanwhile
-            return
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
-
-    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-        loop.call_soon_threadsafe(settle)
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)

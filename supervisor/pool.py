@@ -195,6 +195,12 @@ class WorkerPool:
         running = sum((w.job is not None) + (w.next is not None) for w in self._workers)
         return len(self._backlog) + running
 
+    @property
+    def full(self) -> bool:
+        """The pool holds its queue's whole budget: the store counts at least as many
+        active items, so an ADD alone cannot make anything retrievable."""
+        return self.queue is not None and self.held >= self.queue.concurrency
+
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
 
@@ -321,7 +327,7 @@ class WorkerPool:
         counts at least as many active, so nothing could be retrieved: no reconcile."""
         if self._poked or self.queue is None or self._stopping:
             return
-        if not freed and self.held >= self.queue.concurrency:
+        if not freed and self.full:
             return
         self._poked = True
         asyncio.get_running_loop().call_soon(self._reconcile)

@@ -586,8 +586,8 @@ class QueueServer:
         return (
             command is not None
             and command.adds
-            and pool.held >= pool.queue.concurrency
-            and route_of(tuple(request.args)) == pool.queue.prefix
+            and pool.full
+            and route_of(tuple(request.args)) == pool.prefix
         )
 
     def _hold(self, request: _Request) -> None:
@@ -988,9 +988,8 @@ class QueueServer:
     def _pool_may_retrieve(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> bool:
         if self.pool is None or self.pool.queue is None or self._stopping or self.pool.stopping:
             return False
-        # An ADD alone changes nothing while the pool holds its budget (the store counts at
-        # least as many active): as `WorkerPool.poke(freed=False)` says.
-        full = self.pool.held >= self.pool.queue.concurrency
+        # An ADD alone changes nothing while the pool holds its budget (`WorkerPool.full`).
+        full = self.pool.full
         for request, (ok, _) in zip(batch, answers, strict=True):
             command = COMMANDS.get(request.method)
             if ok and command is not None and (command.frees_slot or (command.adds and not full)):

@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import pytest
 
 from queryqueue import ContinueWaitError, SocketQueueDriver, StoreError
 from queryqueue.supervisor.launch import SupervisorProcess, launch
+from tests.batches import answers_or_errors
 from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_postgres
 from tests.supervisor_util import REPO
 from tests.trace import max_overlap, read_trace
@@ -634,7 +635,6 @@ def test_a_batch_whose_connection_dies_before_commit_runs_again_whole() -> None:
     answers of the lost attempt are undone (its long polls unsubscribed), not sent."""
     import psycopg
 
-    from queryqueue import QueueError
     from tests.postgres_util import postgres_store
 
     store = postgres_store()
@@ -648,12 +648,9 @@ def test_a_batch_whose_connection_dies_before_commit_runs_again_whole() -> None:
             answers: list[Any] = [store.add("p:a", "{}")]
             if attempts == 1:
                 _terminate(psycopg, store._connection().info.backend_pid)
-            for key in ("p:b", "p:c"):
-                try:  # as the server runs a batch: each command's error is its answer
-                    answers.append(store.add(key, "{}"))
-                except QueueError as exc:
-                    answers.append(exc)
-            return answers
+            return answers + answers_or_errors(
+                lambda: store.add("p:b", "{}"), lambda: store.add("p:c", "{}")
+            )
 
         answers = store.batched(work, undone.append)
         assert attempts == 2
@@ -680,7 +677,6 @@ def test_a_database_error_in_a_batch_undoes_its_command_alone(
     """A command of a batch that the database refuses (here a statement that fails in
     the middle of HEARTBEAT) is rolled back to its savepoint: the commands before and
     after it commit, the batch's transaction is not left aborted."""
-    from queryqueue import QueueError
     from queryqueue.driver_postgres.store import PostgresTransaction
     from tests.postgres_util import postgres_store
 
@@ -692,18 +688,11 @@ def test_a_database_error_in_a_batch_undoes_its_command_alone(
         first = store.add("p:a", "{}")
 
         def work() -> list[Any]:
-            answers: list[Any] = []
-            commands: list[Callable[[], Any]] = [
+            return answers_or_errors(
                 lambda: store.add("p:b", "{}"),
                 lambda: store.heartbeat("p:a"),
                 lambda: store.add("p:c", "{}"),
-            ]
-            for command in commands:
-                try:
-                    answers.append(command())
-                except QueueError as exc:
-                    answers.append(exc)
-            return answers
+            )
 
         monkeypatch.setattr(PostgresTransaction, "set_heartbeat", failing)
         answers = store.batched(work, lambda _: None)

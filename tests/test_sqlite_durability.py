@@ -10,13 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
 import pytest
 
 from queryqueue import SchemaVersionError, SqliteQueueStore, StoreError
+from tests.batches import answers_or_errors
 
 WRITER = textwrap.dedent(
     """
@@ -159,17 +159,6 @@ def test_unopenable_database_is_a_store_error(tmp_path: Path) -> None:
         SqliteQueueStore(tmp_path / "x.db", synchronous="OFF")  # type: ignore[arg-type]
 
 
-def _answers_or_errors(*commands: Callable[[], object]) -> list[object]:
-    """A batch's commands as the server runs them: each one's answer, or its StoreError."""
-    answers: list[object] = []
-    for command in commands:
-        try:
-            answers.append(command())
-        except StoreError as exc:
-            answers.append(exc)
-    return answers
-
-
 def test_a_command_failing_in_a_batch_is_undone_alone_after_its_writes_or_before_any(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,7 +178,7 @@ def test_a_command_failing_in_a_batch_is_undone_alone_after_its_writes_or_before
         first = store.add("p:a", "{}").id
 
         def work() -> list[object]:
-            return _answers_or_errors(
+            return answers_or_errors(
                 lambda: store.add("p:b", "{}"),
                 lambda: store.add("q:x", "{}"),  # fails reading: no savepoint of its own
                 lambda: store.ack(first, '{"r": 1}'),  # fails after deleting the item
@@ -297,7 +286,7 @@ def test_after_sqlite_rolls_a_batch_back_its_later_commands_write_nothing_alone(
             patch.setattr(SqliteTransaction, "set_heartbeat", rolls_everything_back)
             with pytest.raises(StoreError):
                 store.batched(
-                    lambda: _answers_or_errors(
+                    lambda: answers_or_errors(
                         lambda: store.add("p:b", "{}"),
                         lambda: store.heartbeat(first),  # SQLite rolls the batch back
                         lambda: store.add("p:c", "{}"),
