@@ -15,6 +15,7 @@ from queryqueue.engine.errors import QueueError
 from queryqueue.engine.version import package_version
 from queryqueue.supervisor import guard, logs
 from queryqueue.supervisor.logs import FORMAT_ENV, LEVEL_ENV, LEVELS
+from queryqueue.supervisor.loops import CHOICES, LoopUnavailableError, loop_factory
 from queryqueue.supervisor.paths import SOCKET_ENV, default_socket_path
 from queryqueue.supervisor.tables import table
 
@@ -193,6 +194,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MB",
         help="recycle a worker whose RSS is above MB after a query",
+    )
+    sup.add_argument(
+        "--loop",
+        choices=CHOICES,
+        default="auto",
+        help="the supervisor's and workers' event loop (auto: uvloop where installed)",
     )
     sup.add_argument(
         "--shm-threshold",
@@ -388,9 +395,14 @@ def _supervisor(
         except AppNotFoundError as exc:
             print(f"queryqueue: {exc}", file=sys.stderr)
             return 2
+    try:
+        loop_factory(args.loop)
+    except LoopUnavailableError as exc:
+        parser.error(str(exc))
     return run(
         args.store or args.db,
         socket_path,
+        event_loop=args.loop,
         schema=args.schema,
         synchronous=args.synchronous,
         tcp_port=args.tcp_port,

@@ -39,7 +39,8 @@ from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.responses import QueueId, QueueKey
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
-from queryqueue.supervisor import logs
+from queryqueue.supervisor import logs, loops
+from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.protocol import decode_retrieved, encode_retrieved
 from queryqueue.supervisor.shm import DEFAULT_THRESHOLD
 
@@ -97,6 +98,7 @@ class WorkerPool:
         shm_threshold: int | None = DEFAULT_THRESHOLD,
         max_memory_per_worker: int | None = None,
         max_worker_deaths: int = 3,
+        event_loop: LoopChoice = "auto",
         context: Any = None,
     ) -> None:
         if workers < 1:
@@ -104,6 +106,8 @@ class WorkerPool:
         if max_worker_deaths < 1:
             raise ValueError("max_worker_deaths must be at least 1")
         self.max_worker_deaths = max_worker_deaths
+        loops.loop_factory(event_loop)  # refused here, not in each worker
+        self.event_loop: LoopChoice = event_loop
         # Deaths of workers while running a query, by the query's path (bounded).
         self._deaths: OrderedDict[str, int] = OrderedDict()
         self.spawn_failures = 0
@@ -288,7 +292,7 @@ class WorkerPool:
         try:
             process = self._context.Process(
                 target=worker_main,
-                args=(self.app_ref, self.socket_path, child, self.shm_threshold),
+                args=(self.app_ref, self.socket_path, child, self.shm_threshold, self.event_loop),
                 daemon=True,
             )
             process.start()
@@ -677,7 +681,13 @@ async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None
 # -- the worker process ----------------------------------------------------------------------
 
 
-def worker_main(app_ref: str, socket_path: str, conn: Any, shm_threshold: int | None) -> None:
+def worker_main(
+    app_ref: str,
+    socket_path: str,
+    conn: Any,
+    shm_threshold: int | None,
+    event_loop: LoopChoice = "auto",
+) -> None:
     import faulthandler
     import signal
 
@@ -688,7 +698,7 @@ def worker_main(app_ref: str, socket_path: str, conn: Any, shm_threshold: int | 
     supervisor = os.getppid()
     _die_with_parent()
     logs.configure(role="worker")  # the supervisor's level and format, on its stream
-    asyncio.run(_worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor))
+    loops.run(_worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor), event_loop)
 
 
 def _shown_key(query_key: Any) -> str:

@@ -9,7 +9,8 @@ from typing import Any, TypeGuard
 
 from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
 from queryqueue.engine.store import QueueStore
-from queryqueue.supervisor import guard
+from queryqueue.supervisor import guard, loops
+from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import Limits, QueueServer
 
@@ -186,6 +187,11 @@ async def _start_site(
     return site
 
 
-def run(db: str | Path, socket_path: str | Path, **options: Any) -> int:
-    asyncio.run(serve(db, socket_path, **options))
+def run(
+    db: str | Path, socket_path: str | Path, *, event_loop: LoopChoice = "auto", **options: Any
+) -> int:
+    """Serve on the chosen event loop; the pool's workers run on the same kind."""
+    if options.get("app"):
+        options["event_loop"] = event_loop
+    loops.run(serve(db, socket_path, **options), event_loop)
     return 0

@@ -242,6 +242,11 @@ def _file_sizes(path: Any) -> dict[str, int | None]:
     return {"db_bytes": size(str(path)), "wal_bytes": size(f"{path}-wal")}
 
 
+def _loop_name() -> str:
+    loop = asyncio.get_running_loop()
+    return f"{type(loop).__module__.partition('.')[0]}.{type(loop).__name__}"
+
+
 def _then_wait(value: Any) -> tuple[int, int] | None:
     """ADD's `then_wait`: [the request id of the RESULT_BLOCKING to run next, its timeout]."""
     if value is None:
@@ -818,6 +823,7 @@ class QueueServer:
             "connections": len(self._connections),
             "long_polls": sum(len(c.parked) for c in self._connections),
             "pid": os.getpid(),
+            "event_loop": _loop_name(),
             "files": _file_sizes(getattr(self.store, "path", None)),
         }
 

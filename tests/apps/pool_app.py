@@ -3,6 +3,7 @@ they ran, in the file named by $POOL_TRACE."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -24,6 +25,12 @@ def run(query: Any, set_cancel_handler: Any) -> Any:
     time.sleep(query.get("seconds", 0.05))
     _trace("end", query["key"], os.getpid(), time.monotonic())
     return {"key": query["key"], "pid": os.getpid()}
+
+
+@app.handler("loop")
+async def loop_kind(query: Any, set_cancel_handler: Any) -> str:
+    loop = asyncio.get_running_loop()
+    return f"{type(loop).__module__.partition('.')[0]}.{type(loop).__name__}"
 
 
 @app.cancel_handler("sql")

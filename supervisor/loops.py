@@ -1,0 +1,51 @@
+"""The event loop the supervisor and its workers run on.
+
+uvloop where it is installed (a dependency on Linux and macOS): the supervisor's and the
+workers' time is mostly the loop's own (socket reads and writes, wake-ups, callbacks),
+and uvloop's C loop does that for less. `asyncio` (or an interpreter without uvloop)
+runs the standard loop; the behaviour is the same, only the cost differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+LoopChoice = Literal["auto", "uvloop", "asyncio"]
+CHOICES: tuple[LoopChoice, ...] = ("auto", "uvloop", "asyncio")
+
+
+class LoopUnavailableError(RuntimeError):
+    """`--loop uvloop` where uvloop cannot be imported."""
+
+
+def loop_factory(choice: LoopChoice = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The factory for `asyncio.Runner` (None: the standard loop)."""
+    if choice not in CHOICES:
+        raise ValueError(f"the event loop is one of {', '.join(CHOICES)}, not {choice!r}")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError as exc:
+        if choice == "uvloop":
+            raise LoopUnavailableError(f"the uvloop event loop is not installed: {exc}") from None
+        return None
+    return uvloop.new_event_loop
+
+
+def loop_name(choice: LoopChoice = "auto") -> str:
+    return "asyncio" if loop_factory(choice) is None else "uvloop"
+
+
+def run(main: Coroutine[Any, Any, T], choice: LoopChoice = "auto") -> T:
+    """`asyncio.run`, on the chosen loop."""
+    try:
+        factory = loop_factory(choice)
+    except BaseException:
+        main.close()  # never awaited, and not to be warned about
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
