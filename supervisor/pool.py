@@ -222,6 +222,7 @@ class WorkerPool:
             "terminated": self.terminated,
             "recycled": self.recycled,
             "reclaimed": len(self.reclaimed),
+            "reconciles": self.queue.reconcile_runs if self.queue is not None else 0,
         }
 
     def _describe_worker(self, worker: _Worker) -> dict[str, Any]:

@@ -850,7 +850,9 @@ class QueueServer:
         """A committed batch: the pool hears of it, then its answers leave."""
         self._note_acks(batch, answers)
         self._hand_to_pool(for_pool)
-        self._answer_batch(batch, answers, poke=not for_pool)
+        # A batch that tried the pool's retrieval did its reconcile's work (found nothing
+        # is an answer too): a poke would list ACTIVE and PENDING again for nothing.
+        self._answer_batch(batch, answers, poke=for_pool is None)
 
     def _by_route(self, batch: list[_Request]) -> dict[str | None, list[_Request]]:
         """A batch split by the prefix each command is about, in arrival order. A command
@@ -1002,7 +1004,7 @@ class QueueServer:
                 return True
         return False
 
-    def _retrieve_for_pool(self) -> list[RetrievedQuery]:
+    def _retrieve_for_pool(self) -> list[RetrievedQuery] | None:
         """The pool queue's reconcile, in the batch: ACTIVE, PENDING, RETRIEVE per slot,
         with its process id, its concurrency and the design's rule on persistent keys."""
         assert self.pool is not None and self.pool.queue is not None
@@ -1046,6 +1048,8 @@ class QueueServer:
                     break
         except QueueError as exc:  # what was retrieved stands; the reconcile does the rest
             _log.warning("retrieving for the pool in the batch failed: %s", exc)
+            if not found:
+                return None
         return found
 
     def _hand_to_pool(self, retrieved: list[RetrievedQuery] | None) -> None:

@@ -524,6 +524,36 @@ async def test_the_fast_track_is_dispatched_by_the_supervisor_in_two_round_trips
     assert sent("merge_extra") == 1
 
 
+async def test_a_batch_that_retrieved_for_the_pool_starts_no_reconcile_of_its_own(
+    pool: SupervisorProcess,
+) -> None:
+    """A fast-tracked query's ADD batch and its ACK batch each try the pool's retrieval in
+    the transaction (finding nothing more): each used to poke a reconcile as well, two
+    ACTIVE and PENDING listings per query for nothing. Only the periodic sweep's
+    reconcile (every 0.5 s) remains."""
+    from tests.apps.pool_app import app
+
+    driver = SocketQueueDriver(pool.socket_path)
+    queue = app.pool_queue(driver, continue_wait_timeout=10.0)
+    queries = 30
+    try:
+        await queue.execute_in_queue("sql", "warm", {"key": "warm", "seconds": 0}, priority=10)
+        before = (await driver.stats())["pool"]["reconciles"]
+        started = time.monotonic()
+        for i in range(queries):
+            answer = await queue.execute_in_queue(
+                "sql", f"q{i}", {"key": f"q{i}", "seconds": 0}, priority=10
+            )
+            assert answer["key"] == f"q{i}"
+        elapsed = time.monotonic() - started
+        after = (await driver.stats())["pool"]["reconciles"]
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+    sweeps = int(elapsed / 0.5) + 2  # the sweep's, and one in flight at either end
+    assert after - before <= sweeps < 2 * queries, (after - before, elapsed)
+
+
 async def test_the_retrieving_batch_records_when_a_queued_query_started(
     pool: SupervisorProcess,
 ) -> None:
