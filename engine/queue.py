@@ -186,13 +186,14 @@ class QueryQueue:
                         f"no result for the query within {js_number(timeout or 0)} s"
                     )
                 wait = min(wait, remaining)
-            if queue_id is not None:
-                # A result by queue id reads many times: another caller's read by path
-                # cannot have taken it from us.
-                found = await self.connection.get_result_by_id(queue_id, view=view)
-                if found is not None:
-                    return self.requests.answer(found, view)
             try:
+                if queue_id is not None:
+                    # A result by queue id reads many times: another caller's read by path
+                    # cannot have taken it from us. It may be a retry outcome (its worker
+                    # died between two polls): a continue-wait like a poll's.
+                    found = await self.connection.get_result_by_id(queue_id, view=view)
+                    if found is not None:
+                        return self.requests.answer(found, view)
                 return await self.requests.execute(request, wait)
             except ContinueWaitError as exc:
                 # None after a retry outcome: that item is gone, the next poll enqueues anew.

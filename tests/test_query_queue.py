@@ -34,6 +34,7 @@ from queryqueue import (
 from queryqueue.engine import events as ev
 from queryqueue.engine.binary import Outcome
 from queryqueue.engine.clock import ManualClock
+from queryqueue.engine.outcome import encode_retry
 from queryqueue.engine.responses import ListResponse
 from tests.supervisor_util import SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until
@@ -789,6 +790,32 @@ async def test_run_waits_across_long_polls_for_the_same_item(
     assert rec.calls == ["slow"]
     assert len({fields["queueId"] for fields in rec.named(ev.WAITING_FOR_QUERY)}) == 1
     assert await _items(queue) == []
+
+
+async def test_run_asks_again_when_its_item_got_a_retry_outcome_between_two_polls(
+    make_queue: MakeQueue, rec: Recorder, shared_driver: QueueDriver
+) -> None:
+    """A worker that dies between two of run()'s polls leaves a retry outcome, which
+    run() reads by queue id before it polls again: that is a continue-wait too (it
+    escaped run() as ContinueWaitError), and run() enqueues the query anew."""
+    queue = make_queue(
+        query_handlers={"sql": rec.gated}, continue_wait_timeout=0.05, logger=rec.log
+    )
+    read_by_id = queue.connection.get_result_by_id
+    retried: list[Any] = []
+
+    async def worker_died_first(queue_id: Any, *, view: bool = False) -> Any:
+        if not retried:  # the first read between polls: the item's worker died just now
+            retried.append(queue_id)
+            await shared_driver.cancel(queue_id, result=encode_retry("its worker died"))
+        return await read_by_id(queue_id, view=view)
+
+    queue.connection.get_result_by_id = worker_died_first  # type: ignore[method-assign]
+    caller = asyncio.create_task(queue.run("sql", "dies", "dies"))
+    await wait_until(lambda: len(rec.calls) == 2)  # enqueued anew, and run again
+    rec.gate.set()
+    assert await caller == {"echo": "dies"}
+    assert retried and rec.calls == ["dies", "dies"]
 
 
 async def test_run_raises_query_timeout_at_the_callers_deadline_and_the_query_goes_on(
