@@ -2,7 +2,8 @@
 
 All SQL lives in this module: one connection with `isolation_level=None`, one `_atomic()`
 (BEGIN IMMEDIATE, ROLLBACK that keeps the original error), prepared statements reused
-through the connection's statement cache, counters instead of `count(*)`.
+through the connection's statement cache, counters instead of `count(*)`. The WAL is
+checkpointed by `checkpoints.Checkpointer`, on a thread and a connection of its own.
 
 Durability: `synchronous=NORMAL` (default) survives a `kill -9` of any process — a commit
 is in the WAL before the command answers — and can lose the last transactions only on
@@ -15,6 +16,7 @@ the process that acks (other processes go through the supervisor).
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -22,6 +24,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal
 
+from queryqueue.driver_sqlite.checkpoints import Checkpointer
 from queryqueue.driver_sqlite.schema import ACTIVE, PENDING, migrate
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.errors import StoreError
@@ -37,6 +40,8 @@ from queryqueue.engine.records import (
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
+
+_log = logging.getLogger("queryqueue.sqlite")
 
 Synchronous = Literal["NORMAL", "FULL"]
 
@@ -328,8 +333,12 @@ class SqliteQueueStore(QueueStore):
         result_ttl_ms: int = DEFAULT_RESULT_TTL_MS,
         synchronous: Synchronous = "NORMAL",
         busy_timeout_ms: int = 5_000,
-        wal_autocheckpoint_pages: int = 4_000,
+        checkpoint_every_s: float | None = 1.0,
+        wal_cap_pages: int = 16_384,
     ) -> None:
+        """`checkpoint_every_s`: how often the checkpoint thread looks at the WAL (None:
+        no thread; `checkpointer.step()` runs a round). `wal_cap_pages`: past this, the
+        writer folds the WAL's rest itself so that it restarts (64 MiB at 4 KiB pages)."""
         super().__init__(clock=clock, result_ttl_ms=result_ttl_ms)
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
@@ -346,23 +355,53 @@ class SqliteQueueStore(QueueStore):
             raise StoreError(f"cannot open the queue database {self.path}: {exc}") from exc
         try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            # One process writes a queue database: it holds the file's locks for its life
-            # (no lock calls per transaction) and keeps the WAL index in its own memory.
-            self._conn.execute("PRAGMA locking_mode = EXCLUSIVE")
             (mode,) = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()
             if mode.lower() != "wal":
                 raise StoreError(f"{self.path} cannot be put in WAL mode (got {mode})")
             self._conn.execute(f"PRAGMA synchronous = {synchronous}")
-            # Checkpoints are where NORMAL pays its fsyncs: fewer, larger ones (16 MiB of WAL).
-            self._conn.execute(f"PRAGMA wal_autocheckpoint = {int(wal_autocheckpoint_pages)}")
+            # No checkpoint inside a COMMIT: the checkpoint thread folds the WAL (normal
+            # locking, so that its connection may); a restarted WAL is cut back to the cap.
+            self._conn.execute("PRAGMA wal_autocheckpoint = 0")
+            (page_size,) = self._conn.execute("PRAGMA page_size").fetchone()
+            self._conn.execute(f"PRAGMA journal_size_limit = {int(wal_cap_pages) * page_size}")
             self._conn.execute("PRAGMA cache_size = -32768")  # 32 MiB
             self._conn.execute("PRAGMA temp_store = MEMORY")
             migrate(self._conn)
+            self.checkpointer = Checkpointer(
+                self.path,
+                synchronous=synchronous,
+                every_s=checkpoint_every_s or 0.0,
+                cap_frames=wal_cap_pages,
+                busy_timeout_ms=busy_timeout_ms,
+            )
         except BaseException as exc:
             self._conn.close()
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"cannot open the queue database {self.path}: {exc}") from exc
             raise
+        if checkpoint_every_s is not None:
+            self.checkpointer.start()
+
+    def _begin(self) -> None:
+        if self.checkpointer.fold_due:
+            self._fold_wal()
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
+
+    def _fold_wal(self) -> None:
+        """Between two transactions: fold what the checkpoint thread has not, so that the
+        next write starts the WAL over (a writer that never pauses outruns its rounds)."""
+        try:
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as exc:
+            _log.warning("folding the WAL of %s failed: %s", self.path, exc)
+        self.checkpointer.folded()
+
+    def _commit(self) -> None:
+        self._conn.execute("COMMIT")
+        self.checkpointer.dirty = True
 
     @contextmanager
     def _atomic(self) -> Iterator[SqliteTransaction]:
@@ -380,10 +419,7 @@ class SqliteQueueStore(QueueStore):
                 savepoint.release()
             return
         with self._lock:
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
+            self._begin()
             try:
                 yield SqliteTransaction(self._conn)
             except BaseException as exc:
@@ -393,7 +429,7 @@ class SqliteQueueStore(QueueStore):
                     raise StoreError(f"queue database {self.path}: {exc}") from exc
                 raise
             try:
-                self._conn.execute("COMMIT")
+                self._commit()
             except sqlite3.Error as exc:
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
@@ -407,15 +443,12 @@ class SqliteQueueStore(QueueStore):
             if self._in_batch:
                 yield
                 return
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
+            self._begin()
             self._in_batch = True
             self._deferred = []
             try:
                 yield
-                self._conn.execute("COMMIT")
+                self._commit()
             except BaseException as exc:
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
@@ -444,5 +477,6 @@ class SqliteQueueStore(QueueStore):
                 raise StoreError(f"checkpoint of {self.path} failed: {exc}") from exc
 
     def close(self) -> None:
+        self.checkpointer.close()
         with self._lock:
             self._conn.close()

@@ -76,6 +76,22 @@ class Lock:
             self._fd = None
 
 
+def held(path: Path) -> bool:
+    """Whether a live process holds the `Lock` on `path` (a shared flock, dropped at once,
+    cannot take it); no file: nobody."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # with it goes the shared lock, if taken
+    return False
+
+
 def lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 

@@ -16,9 +16,14 @@ from typing import Any
 
 import orjson
 
+from queryqueue.supervisor import guard
 from queryqueue.supervisor.tables import table
 
 _STATUS = {0: "pending", 1: "active"}
+_HELD = (
+    "queryqueue: {db} is held by a running supervisor; ask it instead "
+    "(queryqueue status, or its --http page)"
+)
 
 
 def open_read_only(db: Path) -> Any:
@@ -30,6 +35,9 @@ def open_read_only(db: Path) -> Any:
         ) from None
     if not db.is_file():
         raise SystemExit(f"queryqueue: no database file at {db}")
+    if guard.held(guard.lock_path(db)):
+        # It writes on: a snapshot taken under it would be stale as soon as it is shown.
+        raise SystemExit(_HELD.format(db=db))
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.5)
     database = sqlite_utils.Database(conn)
     try:
@@ -38,11 +46,7 @@ def open_read_only(db: Path) -> Any:
         conn.close()
         if "locked" not in str(exc):
             raise SystemExit(f"queryqueue: cannot read {db}: {exc}") from None
-        # A running supervisor holds its database (SQLite's exclusive locking mode).
-        raise SystemExit(
-            f"queryqueue: {db} is held by a running supervisor; ask it instead "
-            "(queryqueue status, or its --http page)"
-        ) from None
+        raise SystemExit(_HELD.format(db=db)) from None  # a writer in exclusive locking mode
     missing = {"items", "results", "prefix_counts"} - tables
     if missing:
         conn.close()

@@ -815,6 +815,7 @@ class QueueServer:
 
     async def describe(self) -> dict[str, Any]:
         pool = {"pool": self.pool.describe()} if self.pool is not None else {}
+        checkpoints = getattr(self.store, "checkpointer", None)
         return {
             **pool,
             **self.stats.snapshot(),
@@ -825,6 +826,7 @@ class QueueServer:
             "pid": os.getpid(),
             "event_loop": _loop_name(),
             "files": _file_sizes(getattr(self.store, "path", None)),
+            **({"wal": checkpoints.describe()} if checkpoints is not None else {}),
         }
 
     # -- execution --------------------------------------------------------------------------------

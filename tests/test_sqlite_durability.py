@@ -23,7 +23,12 @@ WRITER = textwrap.dedent(
     import sys
     from queryqueue.driver_sqlite.store import SqliteQueueStore
 
-    store = SqliteQueueStore(sys.argv[1], synchronous=sys.argv[2])
+    store = SqliteQueueStore(
+        sys.argv[1],
+        synchronous=sys.argv[2],
+        checkpoint_every_s=float(sys.argv[3]),
+        wal_cap_pages=int(sys.argv[4]),
+    )
     out = sys.stdout
     i = 0
     while True:  # runs until killed
@@ -38,6 +43,7 @@ WRITER = textwrap.dedent(
         elif i % 3 == 1:
             store.merge_extra(qid, '{"seen": %d}' % i)
             out.write(f"extra {i} {qid}\\n")
+        out.write(f"checkpoints {store.checkpointer.rounds} {store.checkpointer.folds}\\n")
         out.flush()
         i += 1
     """
@@ -45,14 +51,21 @@ WRITER = textwrap.dedent(
 
 
 @pytest.mark.parametrize("synchronous", ["NORMAL", "FULL"])
+@pytest.mark.parametrize(
+    "checkpoints",
+    [(0.25, 16_384), (0.0005, 8)],
+    ids=["default-checkpoints", "checkpointing-and-folding-throughout"],
+)
 def test_kill_9_loses_no_committed_command_and_leaves_none_partial(
-    tmp_path: Path, synchronous: str
+    tmp_path: Path, synchronous: str, checkpoints: tuple[float, int]
 ) -> None:
+    """The kill lands anywhere: in a command, a COMMIT, the checkpoint thread's round or
+    the writer's fold of the WAL (the second case does both all the time)."""
     db = tmp_path / "queue.db"
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo)}
     child = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(db), synchronous],
+        [sys.executable, "-c", WRITER, str(db), synchronous, *map(str, checkpoints)],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -61,10 +74,15 @@ def test_kill_9_loses_no_committed_command_and_leaves_none_partial(
         assert child.stdout is not None
         seen: list[str] = []
         deadline = time.monotonic() + 60
-        while sum(line.startswith("ack") for line in seen) < 40:
+        # Past its cap at once: the kill comes once the writer has folded the WAL (after a
+        # round of the thread, which is what finds it past its cap), and rounds go on.
+        folding, folds = checkpoints[1] == 8, 0
+        while sum(line.startswith("ack") for line in seen) < 40 or (folding and folds == 0):
             line = child.stdout.readline()
             assert line, f"writer exited early with {child.poll()}"
             seen.append(line)
+            if line.startswith("checkpoints"):
+                folds = int(line.split()[2])
             assert time.monotonic() < deadline, "writer too slow"
         os.kill(child.pid, signal.SIGKILL)
         rest, _ = child.communicate(timeout=30)
@@ -75,7 +93,9 @@ def test_kill_9_loses_no_committed_command_and_leaves_none_partial(
     assert child.returncode == -signal.SIGKILL
     # Lines the child wrote before dying were all confirmed commits, flushed or not yet read.
     confirmed = [
-        line.split() for line in seen + rest.splitlines(keepends=True) if line.endswith("\n")
+        line.split()
+        for line in seen + rest.splitlines(keepends=True)
+        if line.endswith("\n") and not line.startswith("checkpoints")
     ]
 
     store = SqliteQueueStore(db)
