@@ -58,6 +58,8 @@ _log = logging.getLogger("queryqueue.server")
 COMMANDS = served()
 # How long an ADD may wait for the batch of the ACK that frees its slot (_may_hold).
 HOLD_ADDS_S = 0.002
+# An ADD's answer waits at most this long for its pipelined long poll's (`defer`).
+DEFER_ADD_ANSWER_S = 0.005
 _LATENCY_SAMPLES = 2048
 
 
@@ -148,6 +150,9 @@ class _Connection:
     in_flight: int = 0
     polls_queued: int = 0  # long polls in the inbox, not yet parked (counted to the limit)
     answered: asyncio.Event = field(default_factory=asyncio.Event)
+    # ADD answers held for their long poll's (`defer`), by id() of the ADD's request.
+    deferred: dict[int, bytes] = field(default_factory=dict)
+    deferred_timer: asyncio.TimerHandle | None = None
 
     def buffered(self) -> int:
         return self.writer.transport.get_write_buffer_size() + sum(map(len, self.outbox))
@@ -155,13 +160,39 @@ class _Connection:
     def send(self, message: dict[str, Any]) -> None:
         if self.closed or self.writer.is_closing():
             return
-        try:
-            frame = encode_frame(message)
-        except TypeError as exc:
-            frame = encode_frame({"id": message.get("id"), "error": error_payload(exc)})
+        self._queue(_frame_of(message))
+
+    def _queue(self, frame: bytes) -> None:
         if not self.outbox:
             asyncio.get_running_loop().call_soon(self.flush)
         self.outbox.append(frame)
+
+    def defer(self, add: _Request, message: dict[str, Any], delay: float) -> None:
+        """The answer of an ADD whose pipelined long poll has parked: its caller waits for
+        the result, not for this. It leaves with that poll's answer (one wake-up of the
+        caller, not two), or at most `delay` later, whichever comes first."""
+        if self.closed or self.writer.is_closing():
+            return
+        self.deferred[id(add)] = _frame_of(message)
+        if self.deferred_timer is None:
+            loop = asyncio.get_running_loop()
+            self.deferred_timer = loop.call_later(delay, self.release_deferred)
+
+    def release_deferred(self, add: _Request | None = None) -> None:
+        """Send the deferred answer of `add` (None: all of them) ahead of what follows."""
+        if add is not None:
+            frame = self.deferred.pop(id(add), None)
+            if frame is not None:
+                self._queue(frame)
+            if self.deferred or self.deferred_timer is None:
+                return
+        else:
+            for frame in self.deferred.values():
+                self._queue(frame)
+            self.deferred.clear()
+        if self.deferred_timer is not None:
+            self.deferred_timer.cancel()
+            self.deferred_timer = None
 
     def flush(self) -> None:
         frames, self.outbox = self.outbox, []
@@ -172,6 +203,13 @@ class _Connection:
                 # Its client reads nothing of what it asked for: cut it off, and free it all.
                 self.closed = True
                 self.writer.transport.abort()
+
+
+def _frame_of(message: dict[str, Any]) -> bytes:
+    try:
+        return encode_frame(message)
+    except TypeError as exc:
+        return encode_frame({"id": message.get("id"), "error": error_payload(exc)})
 
 
 @dataclass(frozen=True)
@@ -309,6 +347,7 @@ class QueueServer:
         limits: Limits | None = None,
         purge_interval: float = 10.0,
         hold_adds_s: float = HOLD_ADDS_S,
+        defer_add_answers_s: float = DEFER_ADD_ANSWER_S,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
@@ -320,6 +359,7 @@ class QueueServer:
         self.limits = limits or Limits()
         self.purge_interval = purge_interval
         self.hold_adds_s = hold_adds_s
+        self.defer_add_answers_s = defer_add_answers_s
         self.store = store
         self.socket_path = Path(socket_path)
         self.tcp_host = tcp_host
@@ -485,6 +525,7 @@ class QueueServer:
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            connection.release_deferred()
             connection.flush()  # what was answered before the hang-up still leaves
             connection.closed = True
             for parked in list(connection.parked):
@@ -1075,6 +1116,16 @@ class QueueServer:
         metrics = self.metrics
         if metrics is not None:
             metrics.batch(len(batch))
+        # ADDs whose pipelined long poll parks in this batch: their answers wait for its.
+        parking = (
+            {
+                id(request.follows)
+                for request, (ok, answer) in zip(batch, answers, strict=True)
+                if request.follows is not None and ok and isinstance(answer, Waiter)
+            }
+            if self.defer_add_answers_s > 0
+            else set()
+        )
         for request, (ok, answer) in zip(batch, answers, strict=True):
             request.connection.in_flight -= 1
             if request.method == "result_blocking":  # it came through the inbox
@@ -1085,7 +1136,7 @@ class QueueServer:
             self.stats.record(request.method, now - request.received, ok)
             if metrics is not None:
                 self._measure(metrics, request, ok, answer, now - request.received)
-            self._answer(request, ok, answer, poke)
+            self._answer(request, ok, answer, poke, defer=id(request) in parking)
 
     def _measure(self, metrics: Any, request: _Request, ok: bool, answer: Any, took: float) -> None:
         if not ok:
@@ -1121,7 +1172,10 @@ class QueueServer:
         except Exception as exc:  # a bug must not take the server down with it
             return False, StoreError(f"{request.method} failed: {exc!r}")
 
-    def _answer(self, request: _Request, ok: bool, answer: Any, poke: bool = True) -> None:
+    def _answer(
+        self, request: _Request, ok: bool, answer: Any, poke: bool = True, *, defer: bool = False
+    ) -> None:
+        """`defer`: an ADD whose long poll parked (`_Connection.defer`)."""
         command = COMMANDS.get(request.method)
         if ok and command is not None and (command.adds or command.frees_slot) and self.pool:
             if poke:
@@ -1137,12 +1191,17 @@ class QueueServer:
                 self._soon(self._answer_as_json(request, answer))
                 return
             answer = self._lease_result(request, answer)
+        connection = request.connection
+        if request.follows is not None and connection.deferred:
+            connection.release_deferred(request.follows)  # its ADD's answer goes first
         if not ok:
-            request.connection.send({"id": request.id, "error": error_payload(answer)})
+            connection.send({"id": request.id, "error": error_payload(answer)})
         elif request.rows is not None:
-            request.connection.send({"id": request.id, "rows": request.rows(answer)})
+            connection.send({"id": request.id, "rows": request.rows(answer)})
+        elif defer:
+            connection.defer(request, {"id": request.id, "ok": answer}, self.defer_add_answers_s)
         else:
-            request.connection.send({"id": request.id, "ok": answer})
+            connection.send({"id": request.id, "ok": answer})
 
     def _nudge_soon(self) -> None:
         """A slot may have freed: tell the watching connections, once per loop turn."""
