@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from benchmarks.measure import TreeMeter, quantiles, spread
+from queryqueue.supervisor import loops
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 
 APP = "benchmarks.bench_app:app"
@@ -53,7 +54,9 @@ def _producer(
     leave: Any,
     out: Any,
 ) -> None:
-    asyncio.run(_produce(index, socket_path, jobs, in_flight, spacing, ready, go, leave, out))
+    # On the loop the supervisor and its workers run on: uvloop where installed, as an
+    # ASGI server (uvicorn) picks it for a request process too.
+    loops.run(_produce(index, socket_path, jobs, in_flight, spacing, ready, go, leave, out))
 
 
 async def _produce(
