@@ -31,12 +31,12 @@ class Checkpointer:
         path: Path,
         *,
         synchronous: str,
-        every_s: float = 1.0,
+        every_s: float | None = 1.0,
         cap_frames: int = 16_384,
         busy_timeout_ms: int = 5_000,
     ) -> None:
         self.path = path
-        self.every_s = every_s
+        self.every_s = every_s  # None: no thread, `step()` runs a round
         self.cap_frames = cap_frames
         # Set by the writer after each commit, cleared by a round: an idle store is left be.
         self.dirty = False
@@ -59,12 +59,15 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        if self.every_s is None:
+            return
         self._thread = threading.Thread(
             target=self._run, name=f"queryqueue-checkpoint {self.path.name}", daemon=True
         )
         self._thread.start()
 
     def _run(self) -> None:
+        assert self.every_s is not None
         while not self._stop.wait(self.every_s):
             if self.dirty:
                 self.step()
@@ -86,8 +89,13 @@ class Checkpointer:
                 self.fold_due = True
             return self.wal_frames, int(folded)
 
-    def folded(self) -> None:
-        """The writer folded the WAL's rest itself: its next write restarts the WAL."""
+    def fold(self, writer: sqlite3.Connection) -> None:
+        """On the writer's connection, between two transactions: fold what the rounds have
+        not, so that its next write starts the WAL over."""
+        try:
+            writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as exc:
+            _log.warning("folding the WAL of %s failed: %s", self.path, exc)
         self.fold_due = False
         self.folds += 1
 

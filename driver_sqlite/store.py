@@ -16,7 +16,6 @@ the process that acks (other processes go through the supervisor).
 
 from __future__ import annotations
 
-import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -40,8 +39,6 @@ from queryqueue.engine.records import (
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
-
-_log = logging.getLogger("queryqueue.sqlite")
 
 Synchronous = Literal["NORMAL", "FULL"]
 
@@ -370,7 +367,7 @@ class SqliteQueueStore(QueueStore):
             self.checkpointer = Checkpointer(
                 self.path,
                 synchronous=synchronous,
-                every_s=checkpoint_every_s or 0.0,
+                every_s=checkpoint_every_s,
                 cap_frames=wal_cap_pages,
                 busy_timeout_ms=busy_timeout_ms,
             )
@@ -379,25 +376,16 @@ class SqliteQueueStore(QueueStore):
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"cannot open the queue database {self.path}: {exc}") from exc
             raise
-        if checkpoint_every_s is not None:
-            self.checkpointer.start()
+        self.checkpointer.start()
 
     def _begin(self) -> None:
         if self.checkpointer.fold_due:
-            self._fold_wal()
+            # A writer that never pauses outruns the rounds: the WAL would never restart.
+            self.checkpointer.fold(self._conn)
         try:
             self._conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
-
-    def _fold_wal(self) -> None:
-        """Between two transactions: fold what the checkpoint thread has not, so that the
-        next write starts the WAL over (a writer that never pauses outruns its rounds)."""
-        try:
-            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        except sqlite3.Error as exc:
-            _log.warning("folding the WAL of %s failed: %s", self.path, exc)
-        self.checkpointer.folded()
 
     def _commit(self) -> None:
         self._conn.execute("COMMIT")

@@ -36,8 +36,10 @@ def loop_factory(choice: LoopChoice = "auto") -> Callable[[], asyncio.AbstractEv
     return uvloop.new_event_loop
 
 
-def loop_name(choice: LoopChoice = "auto") -> str:
-    return "asyncio" if loop_factory(choice) is None else "uvloop"
+def running_name() -> str:
+    """The running loop, as `stats` shows it: "uvloop.Loop", "asyncio._UnixSelectorEventLoop"."""
+    loop = asyncio.get_running_loop()
+    return f"{type(loop).__module__.partition('.')[0]}.{type(loop).__name__}"
 
 
 def run(main: Coroutine[Any, Any, T], choice: LoopChoice = "auto") -> T:

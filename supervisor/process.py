@@ -58,7 +58,7 @@ async def serve(
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
 
-    `pool_options` go to `WorkerPool` (cancel_grace, max_tasks_per_worker,
+    `pool_options` go to `WorkerPool` (event_loop, cancel_grace, max_tasks_per_worker,
     max_memory_per_worker, shm_threshold)."""
     socket_path = Path(socket_path)
     guard.private_directory(socket_path.parent)
@@ -191,7 +191,5 @@ def run(
     db: str | Path, socket_path: str | Path, *, event_loop: LoopChoice = "auto", **options: Any
 ) -> int:
     """Serve on the chosen event loop; the pool's workers run on the same kind."""
-    if options.get("app"):
-        options["event_loop"] = event_loop
-    loops.run(serve(db, socket_path, **options), event_loop)
+    loops.run(serve(db, socket_path, event_loop=event_loop, **options), event_loop)
     return 0

@@ -40,7 +40,7 @@ from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
 from queryqueue.engine.waiters import Waiter
-from queryqueue.supervisor import cube_results, guard, sqltext
+from queryqueue.supervisor import cube_results, guard, loops, sqltext
 from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
@@ -180,17 +180,14 @@ class _Connection:
 
     def release_deferred(self, add: _Request | None = None) -> None:
         """Send the deferred answer of `add` (None: all of them) ahead of what follows."""
-        if add is not None:
-            frame = self.deferred.pop(id(add), None)
-            if frame is not None:
-                self._queue(frame)
-            if self.deferred or self.deferred_timer is None:
-                return
+        if add is None:
+            frames, self.deferred = list(self.deferred.values()), {}
         else:
-            for frame in self.deferred.values():
-                self._queue(frame)
-            self.deferred.clear()
-        if self.deferred_timer is not None:
+            frame = self.deferred.pop(id(add), None)
+            frames = [] if frame is None else [frame]
+        for frame in frames:
+            self._queue(frame)
+        if not self.deferred and self.deferred_timer is not None:
             self.deferred_timer.cancel()
             self.deferred_timer = None
 
@@ -278,11 +275,6 @@ def _file_sizes(path: Any) -> dict[str, int | None]:
             return None
 
     return {"db_bytes": size(str(path)), "wal_bytes": size(f"{path}-wal")}
-
-
-def _loop_name() -> str:
-    loop = asyncio.get_running_loop()
-    return f"{type(loop).__module__.partition('.')[0]}.{type(loop).__name__}"
 
 
 def _then_wait(value: Any) -> tuple[int, int] | None:
@@ -865,7 +857,7 @@ class QueueServer:
             "connections": len(self._connections),
             "long_polls": sum(len(c.parked) for c in self._connections),
             "pid": os.getpid(),
-            "event_loop": _loop_name(),
+            "event_loop": loops.running_name(),
             "files": _file_sizes(getattr(self.store, "path", None)),
             **({"wal": checkpoints.describe()} if checkpoints is not None else {}),
         }

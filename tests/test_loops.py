@@ -27,7 +27,7 @@ def test_auto_and_uvloop_run_on_uvloop_and_asyncio_on_the_standard_loop() -> Non
     assert loops.run(_running_loop()) == "uvloop"
     assert loops.run(_running_loop(), "uvloop") == "uvloop"
     assert loops.run(_running_loop(), "asyncio") == "asyncio"
-    assert loops.loop_name("auto") == "uvloop" and loops.loop_name("asyncio") == "asyncio"
+    assert loops.loop_factory("auto") is not None and loops.loop_factory("asyncio") is None
 
 
 def test_without_uvloop_auto_falls_back_and_uvloop_is_refused(

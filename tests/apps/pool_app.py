@@ -3,12 +3,12 @@ they ran, in the file named by $POOL_TRACE."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from typing import Any
 
 from queryqueue import QueryStream, QueueApp
+from queryqueue.supervisor import loops
 
 app = QueueApp("pool", concurrency=2, continue_wait_timeout=1.0, heartbeat_interval=0.25)
 
@@ -29,8 +29,7 @@ def run(query: Any, set_cancel_handler: Any) -> Any:
 
 @app.handler("loop")
 async def loop_kind(query: Any, set_cancel_handler: Any) -> str:
-    loop = asyncio.get_running_loop()
-    return f"{type(loop).__module__.partition('.')[0]}.{type(loop).__name__}"
+    return loops.running_name()
 
 
 @app.cancel_handler("sql")
