@@ -437,7 +437,10 @@ class WorkerPool:
                         worker.job = None
 
     def _takes(self, worker: _Worker, ahead: bool) -> bool:
-        if worker.draining_since is not None or worker.retiring or not worker.process.is_alive():
+        # No is_alive() here (a waitpid per call, several per query): a dead worker leaves
+        # `_workers` once its sentinel is read, and a hand-off sent to it before that fails
+        # on its closed pipe and goes back to the backlog (`_assign`).
+        if worker.draining_since is not None or worker.retiring:
             return False
         if not ahead:
             return worker.job is None

@@ -61,6 +61,18 @@ def encode_frame(message: Any) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+def encode_body(value: Any) -> bytes:
+    """`value` as JSON, as `encode_frame` encodes it inside a message."""
+    return orjson.dumps(value, default=_default)
+
+
+def answer_frame(request_id: Any, encoded: bytes) -> bytes:
+    """The frame of `{"id": request_id, "ok": ...}` around an answer already encoded (one
+    encoding for many requests answered alike)."""
+    body = b"".join((b'{"id":', orjson.dumps(request_id), b',"ok":', encoded, b"}"))
+    return HEADER.pack(len(body)) + body
+
+
 def _default(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name) for f in fields(value)}

@@ -39,13 +39,15 @@ from queryqueue.engine.responses import AddAndRetrieveResponse
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
-from queryqueue.engine.waiters import Waiter
+from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results, guard, loops, sqltext
-from queryqueue.supervisor.polls import ParkedPoll
+from queryqueue.supervisor.polls import Deadlines, ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
     DEFAULT_MAX_FRAME,
     FrameError,
+    answer_frame,
+    encode_body,
     encode_frame,
     error_payload,
     read_frame,
@@ -56,6 +58,8 @@ _log = logging.getLogger("queryqueue.server")
 
 # The QUEUE commands a client may call, as the store declares them.
 COMMANDS = served()
+# The commands whose answer tells their prefix's pending count once they ran.
+_REPORT_PENDING = frozenset({"add", "add_and_retrieve", "retrieve"})
 # How long an ADD may wait for the batch of the ACK that frees its slot (_may_hold).
 HOLD_ADDS_S = 0.002
 # An ADD's answer waits at most this long for its pipelined long poll's (`defer`).
@@ -162,6 +166,12 @@ class _Connection:
             return
         self._queue(_frame_of(message))
 
+    def send_answer(self, request_id: Any, encoded: bytes) -> None:
+        """`{"id": request_id, "ok": <encoded>}`, its answer already JSON."""
+        if self.closed or self.writer.is_closing():
+            return
+        self._queue(answer_frame(request_id, encoded))
+
     def _queue(self, frame: bytes) -> None:
         if not self.outbox:
             asyncio.get_running_loop().call_soon(self.flush)
@@ -261,6 +271,7 @@ class _Request:
     follows: _Request | None = None  # that long poll: the ADD it follows
     added_id: int | None = None  # the ADD's answered id, once it ran
     started_ms: int | None = None  # the fast track: startQueryTime, recorded in its batch
+    checked: bool = False  # by `_take_batch`, once
 
 
 def _file_sizes(path: Any) -> dict[str, int | None]:
@@ -369,6 +380,8 @@ class QueueServer:
         self._inbox: asyncio.Queue[_Request] = asyncio.Queue()
         self._held: list[_Request] = []  # ADDs waiting for the next batch (_may_hold)
         self._held_timer: asyncio.TimerHandle | None = None
+        # Taken for a batch that ended early (`_gives_work`): they run next, first.
+        self._carried: deque[_Request] = deque()
         self._executor: asyncio.Task[None] | None = None
         self._lanes_busy: set[asyncio.Task[None]] = set()
         # A prefix whose batch is on its lane: what arrived for it since (`_to_lane`).
@@ -382,6 +395,9 @@ class QueueServer:
         self._nudge_scheduled = False
         self._stop_watching: Callable[[], None] | None = None
         self._socket_identity: tuple[int, int] | None = None
+        self._deadlines: Deadlines | None = None  # the parked polls' timeouts (start)
+        # The last ACK event's answer as JSON, for every poll it wakes (`_answer`).
+        self._encoded_for: tuple[AckEvent, bytes] | None = None
 
     async def start(self) -> None:
         guard.private_directory(self.socket_path.parent)
@@ -398,6 +414,7 @@ class QueueServer:
         # A blocking store runs a batch's long polls' first look on its lane: their waiters
         # belong to this loop.
         self.store.waiters.home = asyncio.get_running_loop()
+        self._deadlines = Deadlines(self.store.waiters.home)
         # Coming back after a crash: executors that lived through the outage could not
         # heartbeat, so give them a full timeout to reconnect before anything is reaped.
         self.store.refresh_active_heartbeats()
@@ -454,7 +471,7 @@ class QueueServer:
                 task.cancel()
         await asyncio.sleep(0)
         self._release_held()
-        while not self._inbox.empty():
+        while self._carried or not self._inbox.empty():
             self._run_batch()
         for background in (self._executor, self._sweeper):
             if background is not None:
@@ -474,6 +491,8 @@ class QueueServer:
             with contextlib.suppress(StoreError):
                 checkpoint()
         self.segments.close()
+        if self._deadlines is not None:
+            self._deadlines.close()
         if self._stop_watching is not None:
             self._stop_watching()
         guard.unlink_if_ours(self.socket_path, self._socket_identity)
@@ -866,12 +885,13 @@ class QueueServer:
 
     async def _execute_forever(self) -> None:
         while True:
-            batch = self._take_batch(await self._inbox.get())
+            first = self._carried.popleft() if self._carried else await self._inbox.get()
+            batch = self._take_batch(first)
             if self.store.blocking:
                 for route, group in self._by_route(batch).items():
                     self._to_lane(route, group)
             else:
-                answers, for_pool = self._execute_here(batch)
+                batch, answers, for_pool = self._execute_carrying(batch)
                 self._settle(batch, answers, for_pool)
             # Let connections read what arrived meanwhile: the next batch groups it.
             await asyncio.sleep(0)
@@ -965,14 +985,30 @@ class QueueServer:
         """Run what has arrived, here and now (at shutdown)."""
         batch = self._take_batch(None)
         if batch:
-            answers, _ = self._execute_here(batch)
+            batch, answers, _ = self._execute_carrying(batch)
             self._answer_batch(batch, answers)
+
+    def _execute_carrying(
+        self, batch: list[_Request]
+    ) -> tuple[list[_Request], list[tuple[bool, Any]], list[RetrievedQuery] | None]:
+        """`_execute_here` on the loop: a batch may end early (`_gives_work`); what it
+        did not run is carried to the next, ahead of anything that arrived since."""
+        answers, for_pool = self._execute_here(batch)
+        if len(answers) < len(batch):
+            self._carried.extendleft(reversed(batch[len(answers) :]))
+            batch = batch[: len(answers)]
+        return batch, answers, for_pool
 
     def _take_batch(self, first: _Request | None) -> list[_Request]:
         batch: list[_Request] = [] if first is None else [first]
+        while len(batch) < self.max_batch and self._carried:
+            batch.append(self._carried.popleft())
         while len(batch) < self.max_batch and not self._inbox.empty():
             batch.append(self._inbox.get_nowait())
         for request in batch:  # checked here, on the loop: the segments live on it
+            if request.checked:
+                continue  # carried over from a batch that ended early
+            request.checked = True
             if request.method == "ack" and len(request.args) == 2:
                 try:
                     self.segments.check_ack(request.args[1])
@@ -1009,7 +1045,7 @@ class QueueServer:
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         answers: list[tuple[bool, Any]] = []
         added: set[int] = set()  # the ADDs of this transaction that inserted their item
-        for request in batch:
+        for i, request in enumerate(batch):
             if request.follows is not None and id(request.follows) in added:
                 answers.append(self._wait_for_new(request))
                 continue
@@ -1017,9 +1053,31 @@ class QueueServer:
             ok, answer = answers[-1]
             if ok and request.then_wait is not None and answer.added:
                 added.add(id(request))
-        if self._pool_may_retrieve(batch, answers):
-            return answers, self._retrieve_for_pool()
-        return answers, None
+            if i + 1 < len(batch) and self._gives_work(request, ok, answer):
+                if batch[i + 1].follows is request:  # its long poll: in this batch
+                    answers.append(self._wait_for_new(batch[i + 1]))
+                break
+        due = self._pool_retrieval_due(batch[: len(answers)], answers)
+        if due is None:
+            return answers, None
+        # Nothing pending is found nothing: no listing, and no reconcile poked for it.
+        return answers, self._retrieve_for_pool() if due else []
+
+    def _gives_work(self, request: _Request, ok: bool, answer: Any) -> bool:
+        """An ADD that inserted work for the pool while it has an idle slot ends its batch
+        (on a store that runs batches on the loop): the worker starts once it commits,
+        not after everything that arrived with it (a dedup storm's thousand joins)."""
+        pool = self.pool
+        return (
+            ok
+            and not self.store.blocking
+            and pool is not None
+            and pool.queue is not None
+            and not pool.full
+            and request.method in ("add", "add_and_retrieve")
+            and answer.added
+            and route_of(tuple(request.args)) == pool.prefix
+        )
 
     def _wait_for_new(self, request: _Request) -> tuple[bool, Any]:
         """The long poll of an item its ADD inserted in this same transaction: nothing can
@@ -1028,16 +1086,31 @@ class QueueServer:
         _follow_key(request)
         return True, self.store.waiters.subscribe(request.args[0])
 
-    def _pool_may_retrieve(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> bool:
+    def _pool_retrieval_due(
+        self, batch: list[_Request], answers: list[tuple[bool, Any]]
+    ) -> bool | None:
+        """Whether the batch freed a slot or added work for the pool (None: neither), and
+        if so whether anything may be pending for it to retrieve."""
         if self.pool is None or self.pool.queue is None or self._stopping or self.pool.stopping:
-            return False
+            return None
         # An ADD alone changes nothing while the pool holds its budget (`WorkerPool.full`).
         full = self.pool.full
-        for request, (ok, _) in zip(batch, answers, strict=True):
+        prefix = self.pool.prefix
+        may = False
+        # The pool prefix's pending count as the batch's last command that reports it
+        # answered: later ones can only lower it (only an ADD makes an item pending, and
+        # an ADD reports it). None pending: nothing to retrieve, no listing to run (the
+        # fast track's own batch, an idle queue's).
+        pending: int | None = None
+        for request, (ok, answer) in zip(batch, answers, strict=True):
             command = COMMANDS.get(request.method)
-            if ok and command is not None and (command.frees_slot or (command.adds and not full)):
-                return True
-        return False
+            if not ok or command is None:
+                continue
+            if command.frees_slot or (command.adds and not full):
+                may = True
+            if request.method in _REPORT_PENDING and route_of(tuple(request.args)) == prefix:
+                pending = answer.pending if answer is not None else pending
+        return (pending != 0) if may else None
 
     def _retrieve_for_pool(self) -> list[RetrievedQuery] | None:
         """The pool queue's reconcile, in the batch: ACTIVE, PENDING, RETRIEVE per slot,
@@ -1165,9 +1238,18 @@ class QueueServer:
             return False, StoreError(f"{request.method} failed: {exc!r}")
 
     def _answer(
-        self, request: _Request, ok: bool, answer: Any, poke: bool = True, *, defer: bool = False
+        self,
+        request: _Request,
+        ok: bool,
+        answer: Any,
+        poke: bool = True,
+        *,
+        defer: bool = False,
+        woken_by: AckEvent | None = None,
     ) -> None:
-        """`defer`: an ADD whose long poll parked (`_Connection.defer`)."""
+        """`defer`: an ADD whose long poll parked (`_Connection.defer`). `woken_by`: the
+        ACK event that answers a parked long poll; every poll it wakes gets the same
+        answer, encoded once (a dedup storm's thousand waiters, a large result's copies)."""
         command = COMMANDS.get(request.method)
         if ok and command is not None and (command.adds or command.frees_slot) and self.pool:
             if poke:
@@ -1182,7 +1264,10 @@ class QueueServer:
             if request.rows is not None and cube_results.needs_materialising(answer.payload):
                 self._soon(self._answer_as_json(request, answer))
                 return
-            answer = self._lease_result(request, answer)
+            leased = self._lease_result(request, answer)
+            if leased is not answer:
+                woken_by = None  # its segment is gone: this poll's answer is its own
+            answer = leased
         connection = request.connection
         if request.follows is not None and connection.deferred:
             connection.release_deferred(request.follows)  # its ADD's answer goes first
@@ -1192,8 +1277,26 @@ class QueueServer:
             connection.send({"id": request.id, "rows": request.rows(answer)})
         elif defer:
             connection.defer(request, {"id": request.id, "ok": answer}, self.defer_add_answers_s)
+        elif woken_by is not None and (encoded := self._encoded_answer(woken_by, answer)):
+            connection.send_answer(request.id, encoded)
         else:
             connection.send({"id": request.id, "ok": answer})
+
+    def _encoded_answer(self, event: AckEvent, answer: Any) -> bytes | None:
+        cached = self._encoded_for
+        if cached is not None and cached[0] is event:
+            return cached[1]
+        try:
+            encoded = encode_body(answer)
+        except TypeError:
+            return None  # sent the usual way, which answers the error
+        if cached is None:  # held for this loop turn's polls, then let go
+            asyncio.get_running_loop().call_soon(self._forget_encoded)
+        self._encoded_for = (event, encoded)
+        return encoded
+
+    def _forget_encoded(self) -> None:
+        self._encoded_for = None
 
     def _nudge_soon(self) -> None:
         """A slot may have freed: tell the watching connections, once per loop turn."""
@@ -1259,12 +1362,13 @@ class QueueServer:
         key, timeout_ms = _poll_args(request)
         parked = request.connection.parked
 
-        def finish(ok: bool, answer: Any) -> None:
+        def finish(ok: bool, answer: Any, event: AckEvent | None) -> None:
             parked.discard(poll)
             self.stats.record(request.method, time.monotonic() - request.received, ok)
-            self._answer(request, ok, answer)
+            self._answer(request, ok, answer, woken_by=event)
 
-        poll = ParkedPoll(self.store, key, timeout_ms, waiter, finish)
+        assert self._deadlines is not None  # started
+        poll = ParkedPoll(self.store, key, timeout_ms, waiter, finish, self._deadlines)
         parked.add(poll)
         if self._stopping or request.connection.closed:
             poll.cancel()

@@ -440,10 +440,14 @@ async def test_an_execution_timeout_in_a_worker_reaches_its_cancel_handler(
         with pytest.raises(QueryError, match="timeout"):
             await _ask(queue, "sql", "slow", {"key": "slow", "seconds": 30})
         assert time.monotonic() - asked_at < 10
-        trace = read_trace(workdir)
-        (start,) = [t for t in trace if t[0] == "start"]
-        # The cancel handler ran in the worker that ran the query...
-        assert ["cancel", "slow", start[2]] in [t[:3] for t in trace]
+        (start,) = [t for t in read_trace(workdir) if t[0] == "start"]
+        # The cancel handler ran in the worker that ran the query (in the background: the
+        # timeout's ACK may reach the caller before its record is written)...
+        await wait_until(
+            lambda: ["cancel", "slow", start[2]] in [t[:3] for t in read_trace(workdir)],
+            within=10,
+            what="the cancel handler's record",
+        )
         # ...whose thread kept sleeping: the worker is terminated after the grace, replaced.
         await wait_until(lambda: _stats_pool(driver, "terminated", 1), within=15)
         await wait_until(lambda: _stats_pool(driver, "replaced", 1), within=15)

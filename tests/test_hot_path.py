@@ -1,0 +1,238 @@
+"""The supervisor's hot path: parked polls on one timer, a fan-out encoded once, a batch
+that ends where an idle pool gets work, no pool listing when nothing is pending."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from queryqueue import MemoryQueueStore
+from queryqueue.supervisor import protocol
+from queryqueue.supervisor import server as server_module
+from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.supervisor.polls import Deadlines
+from queryqueue.supervisor.pool import WorkerPool
+from queryqueue.supervisor.server import QueueServer
+from tests.waiting import wait_until
+
+
+class _Timer:
+    def __init__(self, at: float, callback: Callable[[], None]) -> None:
+        self.at, self.callback, self.cancelled = at, callback, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Clock:
+    """The two things Deadlines asks of its loop, with time moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.timers: list[_Timer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, at: float, callback: Callable[[], None]) -> _Timer:
+        self.timers.append(_Timer(at, callback))
+        return self.timers[-1]
+
+    def armed(self) -> list[_Timer]:
+        return [t for t in self.timers if not t.cancelled]
+
+    def advance_to(self, when: float) -> None:
+        self.now = when
+        for timer in self.armed():
+            if timer.at <= when:
+                timer.cancelled = True
+                timer.callback()
+
+
+class _Poll:
+    """What Deadlines sees of a ParkedPoll: `done`, and `cancel()` at its timeout."""
+
+    def __init__(self, deadlines: Deadlines) -> None:
+        self.deadlines, self.done, self.timed_out = deadlines, False, False
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.timed_out = self.done = True
+            self.deadlines.waiting -= 1
+
+    def answer(self) -> None:
+        self.done = True
+        self.deadlines.waiting -= 1
+
+
+def test_parked_polls_time_out_in_deadline_order_behind_one_timer() -> None:
+    clock = _Clock()
+    deadlines = Deadlines(clock)  # type: ignore[arg-type]
+    late, early, answered = _Poll(deadlines), _Poll(deadlines), _Poll(deadlines)
+    deadlines.add(late, 5.0)  # type: ignore[arg-type]
+    deadlines.add(early, 1.0)  # type: ignore[arg-type]
+    deadlines.add(answered, 2.0)  # type: ignore[arg-type]
+    # One timer, for the earliest deadline, whatever the order the polls parked in.
+    assert [t.at for t in clock.armed()] == [101.0]
+    answered.answer()
+    clock.advance_to(101.0)
+    assert (early.timed_out, late.timed_out) == (True, False)
+    # The answered poll's deadline passes without a word; the timer goes on to the next.
+    assert [t.at for t in clock.armed()] == [102.0]
+    clock.advance_to(102.0)
+    assert (answered.timed_out, late.timed_out) == (False, False)
+    clock.advance_to(105.0)
+    assert late.timed_out and clock.armed() == []
+    assert deadlines.waiting == 0
+
+
+def test_answered_polls_do_not_pile_up_in_the_heap() -> None:
+    clock = _Clock()
+    deadlines = Deadlines(clock)  # type: ignore[arg-type]
+    for _ in range(5000):
+        poll = _Poll(deadlines)
+        deadlines.add(poll, 60.0)  # type: ignore[arg-type]
+        poll.answer()
+    assert len(deadlines._heap) <= 1025
+    assert len(clock.armed()) == 1
+
+
+@pytest.fixture
+async def served(workdir: Path) -> Any:
+    store = MemoryQueueStore()
+    server = QueueServer(store, workdir / "s.sock")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+        store.close()
+
+
+async def test_an_ack_answers_every_poll_it_wakes_with_one_encoding(
+    served: QueueServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dedup storm's waiters: each gets the answer under its own request id, and the
+    answer is encoded once for all of them."""
+    encoded: list[Any] = []
+    encode = protocol.encode_body
+
+    def counting(value: Any) -> bytes:
+        encoded.append(value)
+        return encode(value)
+
+    monkeypatch.setattr(server_module, "encode_body", counting)
+    callers = [SocketQueueDriver(served.socket_path) for _ in range(3)]
+    try:
+        added = await callers[0].add("p:k", orjson.dumps({"q": 1}).decode())
+        polls = [
+            asyncio.ensure_future(caller.result_blocking(added.id, 30_000))
+            for caller in callers
+            for _ in range(4)
+        ]
+        await wait_until(
+            lambda: served.store.waiters.count() == 12, what="the twelve long polls parked"
+        )
+        assert (await callers[0].ack(added.id, '{"rows": [1, 2, 3]}')).success
+        answers = await asyncio.wait_for(asyncio.gather(*polls), 10)
+    finally:
+        for caller in callers:
+            await caller.close()
+    assert [orjson.loads(a.payload or "null") for a in answers if a] == [{"rows": [1, 2, 3]}] * 12
+    assert all(a is not None and a.id == added.id for a in answers)
+    assert len(encoded) == 1
+
+
+@pytest.fixture
+async def pooled(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A server whose pool (one worker, tests.apps.pool_app) runs on a store in memory."""
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = MemoryQueueStore()
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
+    server = QueueServer(store, workdir / "s.sock", pool=pool)
+    await server.start()
+    try:
+        await pool.start()
+        yield server
+    finally:
+        await pool.stop(grace=0)
+        await server.stop()
+        store.close()
+
+
+def _record_batches(server: QueueServer, monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
+    """The commands of each batch the server answers, as (method, first argument)."""
+    batches: list[list[Any]] = []
+    answer_batch = server._answer_batch
+
+    def recording(batch: list[Any], answers: list[Any], **options: Any) -> None:
+        batches.append([(r.method, r.args[0] if r.args else None) for r in batch])
+        answer_batch(batch, answers, **options)
+
+    monkeypatch.setattr(server, "_answer_batch", recording)
+    return batches
+
+
+async def test_a_batch_ends_at_the_add_that_gives_an_idle_pool_work(
+    pooled: QueueServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first ADD of a storm inserts the item an idle worker can run: its batch commits
+    and hands it off before the joins that arrived with it run (they go next, first)."""
+    batches = _record_batches(pooled, monkeypatch)
+    assert pooled.pool is not None
+    prefix = pooled.pool.prefix
+    definition = orjson.dumps(
+        {"queryHandler": "stubborn", "query": {"key": "storm"}, "priority": 0}
+    ).decode()
+    caller = SocketQueueDriver(pooled.socket_path)
+    try:
+        await caller.call("ping")
+        # Sent in one loop turn: one write, read together, one batch without the change.
+        adds = await asyncio.gather(
+            *(caller.add(f"{prefix}:storm", definition) for _ in range(4)),
+            caller.add(f"{prefix}:other", definition),
+        )
+    finally:
+        await caller.close()
+    assert [a.added for a in adds] == [True, False, False, False, True]
+    assert len({a.id for a in adds[:4]}) == 1
+    ours = [
+        b for b in batches if any(arg in (f"{prefix}:storm", f"{prefix}:other") for _, arg in b)
+    ]
+    assert ours[0] == [("add", f"{prefix}:storm")]
+    assert [c for b in ours[1:] for c in b] == [("add", f"{prefix}:storm")] * 3 + [
+        ("add", f"{prefix}:other")
+    ]
+
+
+async def test_a_fast_tracked_query_lists_nothing_for_the_pool_in_its_own_batch(
+    pooled: QueueServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ADD_AND_RETRIEVE answered that nothing else is pending: its batch runs no pending
+    listing for the pool (the ACK's batch still looks: it cannot know)."""
+    from tests.apps.pool_app import app
+
+    retrievals: list[int] = []
+    retrieve = pooled._retrieve_for_pool
+
+    def counting() -> Any:
+        retrievals.append(1)
+        return retrieve()
+
+    monkeypatch.setattr(pooled, "_retrieve_for_pool", counting)
+    driver = SocketQueueDriver(pooled.socket_path)
+    queue = app.pool_queue(driver, continue_wait_timeout=10.0)
+    try:
+        answer = await queue.execute_in_queue(
+            "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
+        )
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+    assert answer["key"] == "urgent"
+    assert len(retrievals) == 1
