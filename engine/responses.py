@@ -45,6 +45,18 @@ class AddAndRetrieveResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class NextRetrieved:
+    """One item `retrieve_next` moved to active: its key and queue id, its payload and its
+    extra as they were before the retrieving write, the prefix's pending count after it."""
+
+    key: str
+    id: QueueId
+    payload: str
+    extra: str | None
+    pending: int
+
+
+@dataclass(frozen=True, slots=True)
 class RetrieveResponse:
     """QUEUE RETRIEVE EXTENDED. A failed retrieval has `payload` and `id` set to None."""
 

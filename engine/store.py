@@ -5,9 +5,9 @@ orphaned/stalled, result consumption, wake-ups). A concrete store only provides
 persistence: `_atomic()` yields a `StoreTransaction` (records.py) whose small hooks read
 and write items, counters and results, so every store has the same semantics by
 construction and one conformance suite checks them all. Every command is one atomic
-transaction; bad input raises `InvalidCommandError` before anything is written. The
-semantics are Cube Store's (`cube-queue-spec.md` section 10) but for the deliberate
-choices the README lists under "Where we differ from Cube Store on purpose".
+transaction; bad input raises `InvalidCommandError` before anything is written. Cube
+Store's semantics (`cube-queue-spec.md` section 10) but for the README's "Where we
+differ from Cube Store on purpose". Listings: listing.py; the pool's step: retrieve_next.py.
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ from queryqueue.engine.responses import (
     RetrieveResponse,
 )
 from queryqueue.engine.result_rules import blocking_lookup, lookup_result, unread_result
+from queryqueue.engine.retrieve_next import RetrieveNext
 from queryqueue.engine.waiters import AckEvent, ResultWaiters, SlotWatchers, Waiter
 
 T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
 
 
-class QueueStore(OffLoop, ListingCommands):
+class QueueStore(OffLoop, ListingCommands, RetrieveNext):
     """The QUEUE command set. Subclasses implement `_atomic()` and `close()` only."""
 
     shared = False  # read by other hosts' supervisors too (results must live in it)
@@ -417,7 +418,7 @@ class QueueStore(OffLoop, ListingCommands):
             external_id=event.external_id,
         )
 
-    # -- QUEUE GET / CANCEL / HEARTBEAT / MERGE_EXTRA ---------------------------------
+    # -- QUEUE GET / CANCEL / HEARTBEAT / MERGE_EXTRA / TRUNCATE ----------------------
 
     @queue_command(response=QueryDefResponse, resend="always")
     def get(self, key: QueueKey) -> QueryDefResponse | None:
@@ -482,8 +483,6 @@ class QueueStore(OffLoop, ListingCommands):
         now = self.clock.now_ms()
         with self._atomic() as tx:
             return tx.refresh_active_heartbeats(now)
-
-    # -- QUEUE TRUNCATE -----------------------------------------------------------------
 
     @queue_command()
     def truncate(self) -> None:

@@ -26,14 +26,13 @@ from typing import Any
 import orjson
 
 from queryqueue.engine.commands import served
-from queryqueue.engine.connection import decode_def, retrieved_of
+from queryqueue.engine.connection import decode_def, decode_query
 from queryqueue.engine.errors import (
     AuthenticationError,
     InvalidCommandError,
     QueueError,
     StoreError,
 )
-from queryqueue.engine.hashing import may_run_in
 from queryqueue.engine.lanes import route_of
 from queryqueue.engine.responses import AddAndRetrieveResponse
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -1113,52 +1112,35 @@ class QueueServer:
         return (pending != 0) if may else None
 
     def _retrieve_for_pool(self) -> list[RetrievedQuery] | None:
-        """The pool queue's reconcile, in the batch: ACTIVE, PENDING, RETRIEVE per slot,
-        with its process id, its concurrency and the design's rule on persistent keys."""
+        """The pool queue's reconcile, in the batch: the head of PENDING retrieved per free
+        slot (`retrieve_next`), with its process id, its concurrency and the design's rule
+        on persistent keys. None: it failed (the reconcile does the rest)."""
         assert self.pool is not None and self.pool.queue is not None
         queue = self.pool.queue
-        prefix, uid, concurrency = queue.prefix, queue.process_uid, queue.concurrency
-        found: list[RetrievedQuery] = []
+        # startQueryTime in the retrieving write (Cube's processQuery records it right
+        # after RETRIEVE): the worker need not send it.
+        started = self.store.clock.now_ms()
         try:
-            # No ACTIVE listing: RETRIEVE itself refuses once the prefix has `concurrency`
-            # active items, and the first refusal ends the round.
-            for row in self.store.pending(prefix, process_id=uid, limit=concurrency):
-                if not may_run_in(row.id, uid):
-                    continue
-                # startQueryTime in the retrieving write (Cube's processQuery records it
-                # right after RETRIEVE): the worker need not send it.
-                started = self.store.clock.now_ms()
-                got = retrieved_of(
-                    self.store.retrieve(
-                        f"{prefix}:{row.id}",
-                        concurrency=concurrency,
-                        extended=True,
-                        process_id=uid,
-                        start_query_time=started,
-                    )
-                )
-                full = len(got.active_keys) >= concurrency
-                if got.query is None or got.queue_id is None or row.id not in got.active_keys:
-                    if full:
-                        break
-                    continue  # as the reconcile's process_query skips it
-                found.append(
-                    RetrievedQuery(
-                        row.id,
-                        got.queue_id,
-                        got.queue_id,
-                        got.queue_size,
-                        got.query,
-                        started,
-                    )
-                )
-                if full:
-                    break
-        except QueueError as exc:  # what was retrieved stands; the reconcile does the rest
+            got = self.store.retrieve_next(
+                queue.prefix,
+                concurrency=queue.concurrency,
+                process_id=queue.process_uid,
+                start_query_time=started,
+            )
+        except QueueError as exc:
             _log.warning("retrieving for the pool in the batch failed: %s", exc)
-            if not found:
-                return None
-        return found
+            return None
+        return [
+            RetrievedQuery(
+                item.key,
+                item.id,
+                item.id,
+                item.pending,
+                decode_query(item.payload, item.extra),
+                started,
+            )
+            for item in got
+        ]
 
     def _hand_to_pool(self, retrieved: list[RetrievedQuery] | None) -> None:
         if not retrieved or self.pool is None:

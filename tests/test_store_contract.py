@@ -196,6 +196,54 @@ def test_retrieve_returns_extra(store: QueueStore) -> None:
     assert got is not None and got.extra == payload(note="x")
 
 
+# -- retrieve_next (the pool's PENDING and RETRIEVE in one command) ------------------------------
+
+
+def test_retrieve_next_takes_the_head_of_pending_while_there_is_a_slot(
+    store: QueueStore, clock: ManualClock
+) -> None:
+    low = store.add(path("low"), payload(q="low"), priority=0).id
+    clock.advance(1)
+    high = store.add(path("high"), payload(q="high"), priority=5).id
+    clock.advance(1)
+    store.add(path("last"), payload(q="last"), priority=0)
+    store.merge_extra(path("low"), payload(seen=1))
+    store.add(path("other"), payload(), priority=9)  # not this prefix's
+    store.add(path("elsewhere", "other"), payload(), priority=9)
+    store.retrieve(path("other"), concurrency=5)  # one slot of three taken
+    got = store.retrieve_next(P, concurrency=3, process_id="pool", start_query_time=77)
+    # Priority first, then queue id; the pending count after each; extra as it was.
+    assert [(n.key, n.id, n.pending, n.extra) for n in got] == [
+        ("high", high, 2, None),
+        ("low", low, 1, payload(seen=1)),
+    ]
+    assert [orjson.loads(n.payload)["q"] for n in got] == ["high", "low"]
+    assert keys(store.active(P)) == ["low", "high", "other"]  # in queue id order
+    assert keys(store.pending(P)) == ["last"]
+    low_def = store.get(low)
+    assert low_def is not None
+    assert orjson.loads(low_def.extra or "null") == {"seen": 1, "startQueryTime": 77}
+    # Full, or nothing pending: nothing retrieved, nothing written.
+    assert store.retrieve_next(P, concurrency=3, process_id="pool") == []
+    assert store.retrieve_next("empty", concurrency=3, process_id="pool") == []
+    assert keys(store.pending(P)) == ["last"]
+    with pytest.raises(InvalidCommandError, match="concurrency"):
+        store.retrieve_next(P, concurrency=0, process_id="pool")
+
+
+def test_retrieve_next_skips_what_another_process_owns(store: QueueStore) -> None:
+    """Another process's EXCLUSIVE item is not seen, another's persistent key (`hash@uid`)
+    is not taken; this process's own of both are."""
+    store.add(path("theirs@p2"), payload(), priority=9)
+    store.add(path("their-stream"), payload(), priority=9, exclusive=True, process_id="p2")
+    store.add(path("mine@p1"), payload(), priority=1)
+    store.add(path("my-stream"), payload(), priority=1, exclusive=True, process_id="p1")
+    store.add(path("plain"), payload(), priority=0)
+    got = store.retrieve_next(P, concurrency=5, process_id="p1")
+    assert [n.key for n in got] == ["mine@p1", "my-stream", "plain"]
+    assert sorted(keys(store.pending(P, process_id="p2"))) == ["their-stream", "theirs@p2"]
+
+
 # -- ADD_AND_RETRIEVE ------------------------------------------------------------------------
 
 
