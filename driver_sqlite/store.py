@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from queryqueue.driver_sqlite.checkpoints import Checkpointer
 from queryqueue.driver_sqlite.schema import ACTIVE, PENDING, migrate
@@ -41,16 +41,29 @@ from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
 
 Synchronous = Literal["NORMAL", "FULL"]
+T = TypeVar("T")
+
+
+class _Redo(BaseException):
+    """A command failed after writing in a batch run without savepoints: the batch is
+    rolled back and run again, each command in a savepoint of its own (`batched`). A
+    BaseException: no command's or server's error handling may take it for an answer."""
 
 
 class _Savepoint:
     """A command's savepoint inside a batch, opened by its first write: a command that only
     reads costs no SAVEPOINT and RELEASE. (Left open until the COMMIT instead of released,
-    savepoints measured slower: every page written checks each one still open.)"""
+    savepoints measured slower: every page written checks each one still open.)
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    Unguarded (a batch's first run), it only notes that the command wrote: commands fail
+    before writing (decide, then act), so a batch whose commands all succeed or fail
+    before any write needs no savepoint at all (6 statements a query fewer); one that
+    failed after writing is run again guarded (`_Redo`)."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, *, guarded: bool = True) -> None:
         self._c = conn
         self._path = path
+        self._guarded = guarded
         self.opened = False
 
     def open(self) -> None:
@@ -60,6 +73,9 @@ class _Savepoint:
             # SQLite rolled the whole batch back (a full disk, say): a write now would
             # commit on its own, statement by statement, apart from the rest of the batch.
             raise StoreError(f"the batch's transaction on {self._path} was rolled back")
+        if not self._guarded:
+            self.opened = True
+            return
         try:
             self._c.execute("SAVEPOINT command")
         except sqlite3.Error as exc:
@@ -67,13 +83,15 @@ class _Savepoint:
         self.opened = True
 
     def undo(self) -> None:
+        if self.opened and not self._guarded:
+            raise _Redo  # its writes cannot be undone alone: the batch runs again, guarded
         if self.opened:  # else there is nothing to undo, and no savepoint of its own
             with suppress(sqlite3.Error):
                 self._c.execute("ROLLBACK TO command")
                 self._c.execute("RELEASE command")
 
     def release(self) -> None:
-        if self.opened:
+        if self.opened and self._guarded:
             try:
                 self._c.execute("RELEASE command")
             except sqlite3.Error as exc:
@@ -343,6 +361,7 @@ class SqliteQueueStore(QueueStore):
         self.synchronous = synchronous
         self._lock = threading.RLock()
         self._in_batch = False
+        self._guarded = False  # the batch runs each command in a savepoint (`batched`)
         self._deferred: list[Callable[[], object]] = []
         try:
             self._conn = sqlite3.connect(
@@ -396,9 +415,11 @@ class SqliteQueueStore(QueueStore):
         if self._in_batch:
             # One command inside a batch: undone alone if it fails, the batch goes on.
             with self._lock:
-                savepoint = _Savepoint(self._conn, self.path)
+                savepoint = _Savepoint(self._conn, self.path, guarded=self._guarded)
                 try:
                     yield SqliteTransaction(self._conn, savepoint)
+                except _Redo:
+                    raise
                 except BaseException as exc:
                     savepoint.undo()
                     if isinstance(exc, sqlite3.Error):
@@ -449,6 +470,24 @@ class SqliteQueueStore(QueueStore):
             effects, self._deferred = self._deferred, []
         for effect in effects:
             effect()
+
+    def batched(
+        self, work: Callable[[], T], undo: Callable[[T], object], prefix: str | None = None
+    ) -> T:
+        """Run first without savepoints; a command that failed after writing has the batch
+        rolled back and run again with them (`_Redo`): what `work` does before that is
+        undone with the transaction, and `work` must undo its own (its waiters) as it
+        unwinds."""
+        with self._lock:
+            try:
+                return super().batched(work, undo, prefix)
+            except _Redo:
+                pass
+            self._guarded = True
+            try:
+                return super().batched(work, undo, prefix)
+            finally:
+                self._guarded = False
 
     def _after_commit(self, effect: Callable[[], object]) -> None:
         if self._in_batch:

@@ -1043,6 +1043,17 @@ class QueueServer:
         self, batch: list[_Request]
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         answers: list[tuple[bool, Any]] = []
+        try:
+            return self._attempt_into(batch, answers)
+        except BaseException:
+            # Unwound (a store runs the batch again from the start): its long polls so far
+            # wait for nothing.
+            self._forget_polls((answers, None))
+            raise
+
+    def _attempt_into(
+        self, batch: list[_Request], answers: list[tuple[bool, Any]]
+    ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         added: set[int] = set()  # the ADDs of this transaction that inserted their item
         for i, request in enumerate(batch):
             if request.follows is not None and id(request.follows) in added:

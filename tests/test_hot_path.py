@@ -4,6 +4,7 @@ that ends where an idle pool gets work, no pool listing when nothing is pending.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from queryqueue import MemoryQueueStore
+from queryqueue import MemoryQueueStore, QueueError
 from queryqueue.supervisor import protocol
 from queryqueue.supervisor import server as server_module
 from queryqueue.supervisor.client import SocketQueueDriver
@@ -236,3 +237,40 @@ async def test_a_fast_tracked_query_lists_nothing_for_the_pool_in_its_own_batch(
         await driver.close()
     assert answer["key"] == "urgent"
     assert len(retrievals) == 1
+
+
+async def test_a_batch_run_again_with_savepoints_leaves_no_long_poll_of_its_first_run(
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite runs a batch without savepoints first; an ACK failing after its write has the
+    batch rolled back and run again, guarded. The long poll the first run subscribed for
+    the pipelined ADD is forgotten: one waiter, the second run's, not two."""
+    from queryqueue import SqliteQueueStore
+    from queryqueue.driver_sqlite.store import SqliteTransaction
+
+    store = SqliteQueueStore(tmp_path / "q.db")
+    server = QueueServer(store, workdir / "s.sock")
+    await server.start()
+    caller = SocketQueueDriver(server.socket_path)
+    try:
+        done = (await caller.add("p:done", "{}")).id
+
+        def refused(self: SqliteTransaction, result: object) -> None:
+            raise sqlite3.OperationalError("insert_result refused")
+
+        monkeypatch.setattr(SqliteTransaction, "insert_result", refused)
+        batches = _record_batches(server, monkeypatch)
+        added, acked = await asyncio.gather(
+            caller.add("p:new", "{}", then_wait_ms=30_000),
+            caller.ack(done, '{"r": 1}'),
+            return_exceptions=True,
+        )
+        assert [c for c, _ in batches[-1]] == ["add", "result_blocking", "ack"]  # one batch
+        assert isinstance(acked, QueueError) and "insert_result refused" in str(acked)
+        assert not isinstance(added, BaseException) and added.added
+        assert store.waiters.count() == 1
+        assert [r.id for r in store.pending("p")] == ["done", "new"]  # the ACK undone alone
+    finally:
+        await caller.close()
+        await server.stop()
+        store.close()

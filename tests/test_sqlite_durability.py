@@ -194,10 +194,13 @@ def test_a_command_failing_in_a_batch_is_undone_alone_after_its_writes_or_before
         raise sqlite3.OperationalError("insert_result refused")
 
     store = SqliteQueueStore(tmp_path / "queue.db")
+    runs = 0
     try:
         first = store.add("p:a", "{}").id
 
         def work() -> list[object]:
+            nonlocal runs
+            runs += 1
             return answers_or_errors(
                 lambda: store.add("p:b", "{}"),
                 lambda: store.add("q:x", "{}"),  # fails reading: no savepoint of its own
@@ -223,11 +226,49 @@ def test_a_command_failing_in_a_batch_is_undone_alone_after_its_writes_or_before
             "AddToQueueResponse",
         ]
         assert "counts refused" in str(answers[1]) and "insert_result refused" in str(answers[2])
+        # Run without savepoints first; the ACK failed after its write: run again, guarded.
+        assert runs == 2
         assert [row.id for row in store.pending("p")] == ["a", "b", "c"]
         assert store.pending("q") == []
         assert store.result(first) is None
         assert store.add("p:d", "{}").pending == 4  # the counters hold the undo too
         assert store.ack(first, '{"r": 2}').success  # and the store goes on
+    finally:
+        store.close()
+
+
+def test_a_batch_whose_commands_do_not_fail_after_writing_opens_no_savepoint(
+    tmp_path: Path,
+) -> None:
+    """Commands decide, then write: a batch of them, failures before any write included,
+    runs once and without SAVEPOINT or RELEASE (two statements per writing command)."""
+    store = SqliteQueueStore(tmp_path / "queue.db", checkpoint_every_s=None)
+    statements: list[str] = []
+    try:
+        first = store.add("p:a", "{}").id
+        store.add("other:e", "{}", external_id="e")
+        store._conn.set_trace_callback(statements.append)
+        answers = store.batched(
+            lambda: answers_or_errors(
+                lambda: store.add("p:b", "{}"),
+                lambda: store.retrieve("p:a", concurrency=2),
+                lambda: store.add("p:bad", "{}", external_id="e"),  # refused before writing
+                lambda: store.ack(first, '{"r": 1}'),
+                lambda: store.retrieve_next("p", concurrency=2, process_id="pool"),
+            ),
+            lambda _: None,
+        )
+        store._conn.set_trace_callback(None)
+        assert [type(a).__name__ for a in answers] == [
+            "AddToQueueResponse",
+            "RetrieveResponse",
+            "ExternalIdConflictError",
+            "AckResponse",
+            "list",
+        ]
+        assert [s.split()[0] for s in statements].count("BEGIN") == 1
+        assert not [s for s in statements if s.startswith(("SAVEPOINT", "RELEASE", "ROLLBACK"))]
+        assert store.result(first) is not None and [r.id for r in store.active("p")] == ["b"]
     finally:
         store.close()
 
