@@ -103,20 +103,8 @@ def test_answered_polls_do_not_pile_up_in_the_heap() -> None:
     assert len(clock.armed()) == 1
 
 
-@pytest.fixture
-async def served(workdir: Path) -> Any:
-    store = MemoryQueueStore()
-    server = QueueServer(store, workdir / "s.sock")
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-        store.close()
-
-
 async def test_an_ack_answers_every_poll_it_wakes_with_one_encoding(
-    served: QueueServer, monkeypatch: pytest.MonkeyPatch
+    server: QueueServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A dedup storm's waiters: each gets the answer under its own request id, and the
     answer is encoded once for all of them."""
@@ -128,7 +116,7 @@ async def test_an_ack_answers_every_poll_it_wakes_with_one_encoding(
         return encode(value)
 
     monkeypatch.setattr(server_module, "encode_body", counting)
-    callers = [SocketQueueDriver(served.socket_path) for _ in range(3)]
+    callers = [SocketQueueDriver(server.socket_path) for _ in range(3)]
     try:
         added = await callers[0].add("p:k", orjson.dumps({"q": 1}).decode())
         polls = [
@@ -137,7 +125,7 @@ async def test_an_ack_answers_every_poll_it_wakes_with_one_encoding(
             for _ in range(4)
         ]
         await wait_until(
-            lambda: served.store.waiters.count() == 12, what="the twelve long polls parked"
+            lambda: server.store.waiters.count() == 12, what="the twelve long polls parked"
         )
         assert (await callers[0].ack(added.id, '{"rows": [1, 2, 3]}')).success
         answers = await asyncio.wait_for(asyncio.gather(*polls), 10)
