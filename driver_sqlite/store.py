@@ -361,7 +361,8 @@ class SqliteQueueStore(QueueStore):
         self.synchronous = synchronous
         self._lock = threading.RLock()
         self._in_batch = False
-        self._guarded = False  # the batch runs each command in a savepoint (`batched`)
+        # Each command of a batch in a savepoint of its own: all but `batched`'s first run.
+        self._guarded = True
         self._deferred: list[Callable[[], object]] = []
         try:
             self._conn = sqlite3.connect(
@@ -479,15 +480,14 @@ class SqliteQueueStore(QueueStore):
         undone with the transaction, and `work` must undo its own (its waiters) as it
         unwinds."""
         with self._lock:
+            self._guarded = False
             try:
                 return super().batched(work, undo, prefix)
             except _Redo:
                 pass
-            self._guarded = True
-            try:
-                return super().batched(work, undo, prefix)
             finally:
-                self._guarded = False
+                self._guarded = True
+            return super().batched(work, undo, prefix)
 
     def _after_commit(self, effect: Callable[[], object]) -> None:
         if self._in_batch:

@@ -269,6 +269,16 @@ def test_a_batch_whose_commands_do_not_fail_after_writing_opens_no_savepoint(
         assert [s.split()[0] for s in statements].count("BEGIN") == 1
         assert not [s for s in statements if s.startswith(("SAVEPOINT", "RELEASE", "ROLLBACK"))]
         assert store.result(first) is not None and [r.id for r in store.active("p")] == ["b"]
+        # A batch opened directly (no `batched` to run it again) keeps its savepoints.
+        statements.clear()
+        store._conn.set_trace_callback(statements.append)
+        with store.batch():
+            store.add("p:e", "{}")
+        store._conn.set_trace_callback(None)
+        assert [s.split()[0] for s in statements if s.startswith(("SAVEPOINT", "RELEASE"))] == [
+            "SAVEPOINT",
+            "RELEASE",
+        ]
     finally:
         store.close()
 
