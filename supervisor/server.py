@@ -1078,13 +1078,15 @@ class QueueServer:
         (on a store that runs batches on the loop): the worker starts once it commits,
         not after everything that arrived with it (a dedup storm's thousand joins)."""
         pool = self.pool
+        command = COMMANDS.get(request.method)
         return (
             ok
             and not self.store.blocking
             and pool is not None
             and pool.queue is not None
             and not pool.full
-            and request.method in ("add", "add_and_retrieve")
+            and command is not None
+            and command.adds
             and answer.added
             and route_of(tuple(request.args)) == pool.prefix
         )
