@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import heapq
 import itertools
 import logging
 import os
@@ -46,6 +45,7 @@ from queryqueue.engine.responses import (
     ToCancelResponse,
 )
 from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.supervisor.deadlines import Deadlines
 from queryqueue.supervisor.paths import default_socket_path
 from queryqueue.supervisor.protocol import (
     DECODERS,
@@ -114,36 +114,19 @@ class _Link:
         self.alive = True
         self.outbox: list[bytes] = []
         # Every request's deadline in one heap, behind one timer (not a timer and an
-        # `asyncio.wait` per call): (loop time, request id); an answered id is skipped.
-        self._deadlines: list[tuple[float, int]] = []
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        # `asyncio.wait` per call); an answered id is skipped.
+        self._deadlines: Deadlines[int] = Deadlines(
+            asyncio.get_running_loop(), expire=self._overdue, live=self.pending.__contains__
+        )
 
     def answer_within(self, request_id: int, seconds: float) -> None:
         """Fail the request with _Overdue if it is not answered within `seconds`."""
-        loop = asyncio.get_running_loop()
-        at = loop.time() + seconds
-        if len(self._deadlines) > 4 * len(self.pending) + 1024:
-            # Mostly answered ids: keep only those still waiting (amortized, no timer churn).
-            self._deadlines = [d for d in self._deadlines if d[1] in self.pending]
-            heapq.heapify(self._deadlines)
-        heapq.heappush(self._deadlines, (at, request_id))
-        if self._timer is None or at < self._timer_at:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer, self._timer_at = loop.call_at(at, self._overdue), at
+        self._deadlines.add(request_id, seconds)
 
-    def _overdue(self) -> None:
-        loop = asyncio.get_running_loop()
-        now, self._timer = loop.time(), None
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self._deadlines)
-            future = self.pending.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(_Overdue())
-        if self._deadlines:
-            self._timer_at = self._deadlines[0][0]
-            self._timer = loop.call_at(self._timer_at, self._overdue)
+    def _overdue(self, request_id: int) -> None:
+        future = self.pending.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_exception(_Overdue())
 
     async def _read(self, max_frame: int) -> None:
         try:
@@ -187,8 +170,7 @@ class _Link:
 
     def close(self) -> None:
         self.alive = False
-        if self._timer is not None:
-            self._timer.cancel()
+        self._deadlines.close()
         self.task.cancel()
         with contextlib.suppress(Exception):
             self.writer.close()

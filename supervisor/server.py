@@ -40,7 +40,8 @@ from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
 from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results, guard, loops, sqltext
-from queryqueue.supervisor.polls import Deadlines, ParkedPoll
+from queryqueue.supervisor.deadlines import Deadlines
+from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
     DEFAULT_MAX_FRAME,
@@ -394,7 +395,7 @@ class QueueServer:
         self._nudge_scheduled = False
         self._stop_watching: Callable[[], None] | None = None
         self._socket_identity: tuple[int, int] | None = None
-        self._deadlines: Deadlines | None = None  # the parked polls' timeouts (start)
+        self._deadlines: Deadlines[ParkedPoll] | None = None  # parked polls' (start)
         # The last ACK event's answer as JSON, for every poll it wakes (`_answer`).
         self._encoded_for: tuple[AckEvent, bytes] | None = None
 
@@ -413,7 +414,7 @@ class QueueServer:
         # A blocking store runs a batch's long polls' first look on its lane: their waiters
         # belong to this loop.
         self.store.waiters.home = asyncio.get_running_loop()
-        self._deadlines = Deadlines(self.store.waiters.home)
+        self._deadlines = parked_deadlines(self.store.waiters.home)
         # Coming back after a crash: executors that lived through the outage could not
         # heartbeat, so give them a full timeout to reconnect before anything is reaped.
         self.store.refresh_active_heartbeats()
@@ -638,12 +639,16 @@ class QueueServer:
             or request.refused is not None
         ):
             return False
+        return pool.full and self._adds_to_pool(request)
+
+    def _adds_to_pool(self, request: _Request) -> bool:
+        """An ADD (or ADD_AND_RETRIEVE) for the prefix of the pool's queue."""
         command = COMMANDS.get(request.method)
         return (
             command is not None
             and command.adds
-            and pool.full
-            and route_of(tuple(request.args)) == pool.prefix
+            and self.pool is not None
+            and route_of(tuple(request.args)) == self.pool.prefix
         )
 
     def _hold(self, request: _Request) -> None:
@@ -1078,17 +1083,14 @@ class QueueServer:
         (on a store that runs batches on the loop): the worker starts once it commits,
         not after everything that arrived with it (a dedup storm's thousand joins)."""
         pool = self.pool
-        command = COMMANDS.get(request.method)
         return (
             ok
             and not self.store.blocking
             and pool is not None
             and pool.queue is not None
             and not pool.full
-            and command is not None
-            and command.adds
+            and self._adds_to_pool(request)
             and answer.added
-            and route_of(tuple(request.args)) == pool.prefix
         )
 
     def _wait_for_new(self, request: _Request) -> tuple[bool, Any]:

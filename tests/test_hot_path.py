@@ -16,7 +16,7 @@ from queryqueue import MemoryQueueStore, QueueError
 from queryqueue.supervisor import protocol
 from queryqueue.supervisor import server as server_module
 from queryqueue.supervisor.client import SocketQueueDriver
-from queryqueue.supervisor.polls import Deadlines
+from queryqueue.supervisor.deadlines import Deadlines
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
 from tests.waiting import wait_until
@@ -56,28 +56,30 @@ class _Clock:
 
 
 class _Poll:
-    """What Deadlines sees of a ParkedPoll: `done`, and `cancel()` at its timeout."""
+    """What the parked polls' deadlines see of a ParkedPoll: `done`, and `cancel()`."""
 
-    def __init__(self, deadlines: Deadlines) -> None:
-        self.deadlines, self.done, self.timed_out = deadlines, False, False
+    def __init__(self) -> None:
+        self.done, self.timed_out = False, False
 
     def cancel(self) -> None:
         if not self.done:
             self.timed_out = self.done = True
-            self.deadlines.waiting -= 1
 
     def answer(self) -> None:
         self.done = True
-        self.deadlines.waiting -= 1
+
+
+def _deadlines(clock: _Clock) -> Deadlines[_Poll]:
+    return Deadlines(clock, expire=_Poll.cancel, live=lambda poll: not poll.done)  # type: ignore[arg-type]
 
 
 def test_parked_polls_time_out_in_deadline_order_behind_one_timer() -> None:
     clock = _Clock()
-    deadlines = Deadlines(clock)  # type: ignore[arg-type]
-    late, early, answered = _Poll(deadlines), _Poll(deadlines), _Poll(deadlines)
-    deadlines.add(late, 5.0)  # type: ignore[arg-type]
-    deadlines.add(early, 1.0)  # type: ignore[arg-type]
-    deadlines.add(answered, 2.0)  # type: ignore[arg-type]
+    deadlines = _deadlines(clock)
+    late, early, answered = _Poll(), _Poll(), _Poll()
+    deadlines.add(late, 5.0)
+    deadlines.add(early, 1.0)
+    deadlines.add(answered, 2.0)
     # One timer, for the earliest deadline, whatever the order the polls parked in.
     assert [t.at for t in clock.armed()] == [101.0]
     answered.answer()
@@ -89,15 +91,15 @@ def test_parked_polls_time_out_in_deadline_order_behind_one_timer() -> None:
     assert (answered.timed_out, late.timed_out) == (False, False)
     clock.advance_to(105.0)
     assert late.timed_out and clock.armed() == []
-    assert deadlines.waiting == 0
+    assert deadlines._heap == []
 
 
 def test_answered_polls_do_not_pile_up_in_the_heap() -> None:
     clock = _Clock()
-    deadlines = Deadlines(clock)  # type: ignore[arg-type]
+    deadlines = _deadlines(clock)
     for _ in range(5000):
-        poll = _Poll(deadlines)
-        deadlines.add(poll, 60.0)  # type: ignore[arg-type]
+        poll = _Poll()
+        deadlines.add(poll, 60.0)
         poll.answer()
     assert len(deadlines._heap) <= 1025
     assert len(clock.armed()) == 1
