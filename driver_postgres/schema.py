@@ -70,6 +70,35 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE INDEX results_expire ON results (expire)",
         ],
     ),
+    (
+        2,
+        [
+            # A prefix's lock and what a command reads first under it, in one statement:
+            # its counts and, while they are few, its active items (id, key) by id. In a
+            # function, so that the reads take their snapshot after the lock is granted
+            # (a statement's own snapshot would be older than the lock).
+            f"""
+            CREATE FUNCTION lock_prefix(lock_key text, of_prefix text, active_limit integer)
+            RETURNS TABLE (pending integer, active integer, ids bigint[], keys text[])
+            LANGUAGE plpgsql VOLATILE AS $$
+            BEGIN
+                PERFORM pg_advisory_xact_lock(hashtextextended(lock_key, 0));
+                SELECT c.pending, c.active INTO pending, active
+                    FROM prefix_counts c WHERE c.prefix = of_prefix;
+                pending := coalesce(pending, 0);
+                active := coalesce(active, 0);
+                IF active <= active_limit THEN
+                    SELECT coalesce(array_agg(i.id ORDER BY i.id), '{{}}'),
+                           coalesce(array_agg(i.key ORDER BY i.id), '{{}}')
+                        INTO ids, keys
+                        FROM items i WHERE i.prefix = of_prefix AND i.status = {ACTIVE};
+                END IF;
+                RETURN NEXT;
+            END
+            $$
+            """,
+        ],
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

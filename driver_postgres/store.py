@@ -34,6 +34,7 @@ import contextlib
 import functools
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -73,6 +74,9 @@ RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a s
 _NO_SAVEPOINT = contextlib.nullcontext()
 LISTEN_CHECK_S = 5.0
 CLAIMED_WAIT_S = 5.0
+# The active items a prefix's lock reads with it while there are no more (see schema.py):
+# most commands need them or nothing; a prefix with many more reads them when asked.
+ACTIVE_PREFETCH = 32
 _IDLE, _INTRANS = psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS
 _SAVEPOINT = "SAVEPOINT command"
 _NEXT_SAVEPOINT = "RELEASE SAVEPOINT command; SAVEPOINT command"
@@ -91,6 +95,12 @@ def _scalar(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] =
     return None if row is None else row[0]
 
 
+class _Redo(BaseException):
+    """A command failed after writing in a batch run without savepoints: the batch is
+    rolled back and run again, each command in a savepoint of its own (`batched`). A
+    BaseException: no command's or server's error handling may take it for an answer."""
+
+
 class _Disconnected(StoreError):
     """The connection broke before COMMIT was sent: the command had no effect."""
 
@@ -99,24 +109,62 @@ class _Known:
     """What a transaction has read of the prefixes it holds locked, kept as it writes:
     their counts and their active items (id, key), by id. Nobody else changes them while
     the lock is held, so a second read within the transaction (RETRIEVE's active list
-    after it activates, the next command of a batch) costs no statement."""
+    after it activates, the next command of a batch) costs no statement.
 
-    __slots__ = ("active", "counts")
+    It also holds the changes to `prefix_counts` not yet written (`deltas`): one upsert
+    per prefix as the transaction commits (`flush`), not one per item changed: three
+    statements a query fewer."""
+
+    __slots__ = ("active", "counts", "deltas")
 
     def __init__(self) -> None:
         self.counts: dict[str, tuple[int, int]] = {}
         self.active: dict[str, list[tuple[int, str]]] = {}
+        self.deltas: dict[str, tuple[int, int]] = {}
 
     def copy(self) -> _Known:
         known = _Known()
         known.counts = dict(self.counts)
         known.active = {prefix: list(rows) for prefix, rows in self.active.items()}
+        known.deltas = dict(self.deltas)
         return known
 
     def count(self, prefix: str, pending: int, active: int) -> None:
         if prefix in self.counts:
             was = self.counts[prefix]
             self.counts[prefix] = (was[0] + pending, was[1] + active)
+        was = self.deltas.get(prefix, (0, 0))
+        self.deltas[prefix] = (was[0] + pending, was[1] + active)
+
+    def stored(self, prefix: str, row: tuple[Any, ...] | None) -> tuple[int, int]:
+        """The counts of `prefix` as read from the table, with what this transaction has
+        yet to write to it."""
+        pending, active = (0, 0) if row is None else (int(row[0]), int(row[1]))
+        delta = self.deltas.get(prefix, (0, 0))
+        self.counts[prefix] = counts = (pending + delta[0], active + delta[1])
+        return counts
+
+    def flush(self, conn: psycopg.Connection[Any]) -> int | None:
+        """Write the counts' changes: before COMMIT, and before a read of the table.
+        Returns the transaction's id if it wrote them (what `_Ending` would ask for)."""
+        changed = [(prefix, p, a) for prefix, (p, a) in self.deltas.items() if p or a]
+        self.deltas = {}
+        xid = None
+        for params in changed:
+            xid = _scalar(
+                conn,
+                "INSERT INTO prefix_counts AS c (prefix, pending, active) VALUES (%s, %s, %s)"
+                " ON CONFLICT (prefix) DO UPDATE SET pending = c.pending + excluded.pending,"
+                " active = c.active + excluded.active RETURNING txid_current()",
+                params,
+            )
+        return None if xid is None else int(xid)
+
+    def locked(self, prefix: str, row: tuple[Any, ...]) -> None:
+        """What `lock_prefix` read as it took the lock (see schema.py)."""
+        self.stored(prefix, row[:2])
+        if row[2] is not None and prefix not in self.active:
+            self.active[prefix] = [(int(i), str(k)) for i, k in zip(row[2], row[3], strict=True)]
 
     def activated(self, item: Item) -> None:
         rows = self.active.get(item.prefix)
@@ -139,8 +187,13 @@ class _Ending:
         self.xid: int | None = None
         self.committing = False
 
-    def commit_next(self, conn: psycopg.Connection[Any], wrote: bool) -> None:
-        if wrote:  # a read-only transaction costs no round trip for it
+    def commit_next(
+        self, conn: psycopg.Connection[Any], wrote: bool, xid: int | None = None
+    ) -> None:
+        """`xid`: known already (the counts' upsert returned it), no round trip for it."""
+        if xid is not None:
+            self.xid = xid
+        elif wrote:  # a read-only transaction costs no round trip for it
             self.xid = _scalar(conn, "SELECT txid_current_if_assigned()")
         self.committing = True
 
@@ -170,9 +223,11 @@ class PostgresTransaction:
         schema: str,
         locked: set[str] | None = None,
         known: _Known | None = None,
+        origin: str = "",
     ) -> None:
         self._c = conn
         self._channel = channel
+        self._origin = origin
         self._schema = schema
         self._locked: set[str] = set(locked or ())
         self.known = known.copy() if known is not None else _Known()
@@ -195,10 +250,13 @@ class PostgresTransaction:
     def lock(self, prefix: str) -> None:
         """Serialize this transaction with every other one on `prefix`, on every host."""
         if prefix not in self._locked:
-            self._c.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                (prefix_lock_key(self._schema, prefix),),
+            # With what every command reads next under it: no statement of its own for it.
+            row = self._one(
+                "SELECT * FROM lock_prefix(%s, %s, %s)",
+                (prefix_lock_key(self._schema, prefix), prefix, ACTIVE_PREFETCH),
             )
+            assert row is not None
+            self.known.locked(prefix, row)
             self._locked.add(prefix)
 
     # -- items ------------------------------------------------------------------------
@@ -273,13 +331,8 @@ class PostgresTransaction:
         return int(row[0])
 
     def _count(self, prefix: str, pending: int, active: int) -> None:
+        self.wrote = True  # written as the transaction commits (`_Known.flush`)
         self.known.count(prefix, pending, active)
-        self._write(
-            "INSERT INTO prefix_counts AS c (prefix, pending, active) VALUES (%s, %s, %s)"
-            " ON CONFLICT (prefix) DO UPDATE SET pending = c.pending + excluded.pending,"
-            " active = c.active + excluded.active",
-            (prefix, pending, active),
-        )
 
     def activate(self, item: Item, now: int, extra: str | None) -> None:
         self._write(
@@ -313,9 +366,7 @@ class PostgresTransaction:
             row = self._one(
                 "SELECT pending, active FROM prefix_counts WHERE prefix = %s", (prefix,)
             )
-            known = self.known.counts[prefix] = (
-                (0, 0) if row is None else (int(row[0]), int(row[1]))
-            )
+            known = self.known.stored(prefix, row)
         return known
 
     def active_keys(self, prefix: str) -> list[str]:
@@ -442,6 +493,7 @@ class PostgresTransaction:
         return cursor.rowcount
 
     def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
+        self.known.flush(self._c)
         oldest = dict(self._all("SELECT prefix, min(created) FROM items GROUP BY prefix"))
         found = [
             PrefixOverview(prefix, pending, active, oldest.get(prefix))
@@ -466,7 +518,13 @@ class PostgresTransaction:
 
     def acked(self, item: Item, result: str | None) -> None:
         # Delivered when this transaction commits, to every host listening.
-        note = {"id": item.id, "path": item.path, "null": result is None, "ext": item.external_id}
+        note = {
+            "id": item.id,
+            "path": item.path,
+            "null": result is None,
+            "ext": item.external_id,
+            "from": self._origin,
+        }
         self._write("SELECT pg_notify(%s, %s)", (self._channel, orjson.dumps(note).decode()))
 
 
@@ -521,6 +579,10 @@ class PostgresQueueStore(QueueStore):
         self._listen_epoch = 0
         self.connect_timeout = connect_timeout
         self.channel = f"queryqueue_ack_{schema}"
+        # Signs this store's NOTIFYs: its own waiters were woken by the ACK as it committed,
+        # with the result; its NOTIFY, often first on the listener's thread, would wake
+        # them with none, to read it back in a transaction of their own.
+        self.origin = uuid.uuid4().hex
         self.reconnects = 0
         # A connection per thread: each lane (and a caller's own thread) has its own.
         self._local = threading.local()
@@ -596,9 +658,9 @@ class PostgresQueueStore(QueueStore):
             return
         try:
             with self._watchdog.watching(conn), conn.transaction():
-                PostgresTransaction(conn, self.channel, self.schema).refresh_active_heartbeats(
-                    self.clock.now_ms()
-                )
+                PostgresTransaction(
+                    conn, self.channel, self.schema, origin=self.origin
+                ).refresh_active_heartbeats(self.clock.now_ms())
             self._refreshed_at = now
         except psycopg.Error:
             pass  # the command that reconnected reports what is wrong
@@ -629,7 +691,7 @@ class PostgresQueueStore(QueueStore):
                     raise StoreError("queue database: the batch's transaction was aborted")
                 if conn.info.transaction_status == _INTRANS:
                     with self._watchdog.watching(conn):
-                        ending.commit_next(conn, batch.wrote)
+                        ending.commit_next(conn, batch.wrote, batch.known.flush(conn))
                         conn.commit()
         finally:
             self._local.batch = self._local.effects = None
@@ -648,13 +710,18 @@ class PostgresQueueStore(QueueStore):
         # The first opens the transaction: failing, it is rolled back (it held nothing
         # else), which spares the one-command batch a savepoint's two round trips.
         first = conn.info.transaction_status == _IDLE
+        # A batch's first run takes no savepoints (`batched`): commands fail before they
+        # write (decide, then act), so a savepoint is needed only by one that did not.
+        guarded = getattr(self._local, "guarded", True)
         effects: list[Callable[[], object]] = []
         self._local.effects = effects
-        tx = PostgresTransaction(conn, self.channel, self.schema, batch.locked, batch.known)
+        tx = PostgresTransaction(
+            conn, self.channel, self.schema, batch.locked, batch.known, self.origin
+        )
         try:
             with self._watchdog.watching(conn):
                 try:
-                    if not first:
+                    if not first and guarded:
                         # The last command's savepoint released and this one's taken in
                         # one round trip (psycopg's own savepoint blocks take two).
                         conn.execute(_NEXT_SAVEPOINT if batch.savepoint else _SAVEPOINT)
@@ -663,11 +730,17 @@ class PostgresQueueStore(QueueStore):
                         tx.lock(batch.prefix)  # the batch's prefix, before any row
                     yield tx
                 except BaseException as exc:
+                    if isinstance(exc, _Redo):
+                        raise
+                    if not (first or guarded or conn.broken) and (
+                        tx.wrote or isinstance(exc, psycopg.Error)
+                    ):
+                        raise _Redo from exc  # nothing to undo it alone to: run again, guarded
                     with contextlib.suppress(psycopg.Error):
                         if first:
                             conn.rollback()
                             batch.savepoint = False
-                        elif not conn.broken:
+                        elif guarded and not conn.broken:
                             conn.execute(_UNDO_SAVEPOINT)
                     if isinstance(exc, psycopg.OperationalError):
                         raise self._broken(batch, exc) from exc
@@ -709,9 +782,10 @@ class PostgresQueueStore(QueueStore):
         ending = _Ending()
         try:
             with self._watchdog.watching(conn), self._ended(conn, ending), conn.transaction():
-                tx = PostgresTransaction(conn, self.channel, self.schema)
+                tx = PostgresTransaction(conn, self.channel, self.schema, origin=self.origin)
                 yield tx
-                ending.commit_next(conn, tx.wrote)  # leaving the block sends COMMIT
+                # Leaving the block sends COMMIT.
+                ending.commit_next(conn, tx.wrote, tx.known.flush(conn))
         finally:
             self._local.effects = None
         for effect in effects:  # decide, then act: only what has committed is told
@@ -813,9 +887,23 @@ class PostgresQueueStore(QueueStore):
     def batched(
         self, work: Callable[[], T], undo: Callable[[T], object], prefix: str | None = None
     ) -> T:
-        # A batch whose connection broke before its COMMIT changed nothing: run it again.
+        """Run first without savepoints; a command that failed after writing (or that the
+        database refused) has the batch rolled back and run again with them (`_Redo`):
+        `work` undoes its own (its waiters) as it unwinds. A batch whose connection broke
+        before its COMMIT changed nothing: it runs again whole."""
         once = super().batched
-        return self._again_if_disconnected(lambda: once(work, undo, prefix))
+
+        def attempt() -> T:
+            self._local.guarded = False
+            try:
+                return once(work, undo, prefix)
+            except _Redo:
+                pass
+            finally:
+                self._local.guarded = True
+            return once(work, undo, prefix)
+
+        return self._again_if_disconnected(attempt)
 
     def close(self) -> None:
         self._closed = True
@@ -862,6 +950,8 @@ class PostgresQueueStore(QueueStore):
     def _publish(self, payload: str) -> None:
         try:
             note = orjson.loads(payload)
+            if note.get("from") == self.origin:
+                return
             event = AckEvent(
                 int(note["id"]), str(note["path"]), None if note["null"] else _FETCH, note["ext"]
             )

@@ -737,3 +737,89 @@ async def test_a_waiter_whose_timeout_comes_while_its_ack_commits_gets_the_resul
     finally:
         release.set()
         store.close()
+
+
+def _recording(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The statements this thread's connection of `store` runs from now on."""
+    conn = store._connection()
+    statements: list[str] = []
+    execute = conn.execute
+
+    def recorded(query: Any, *args: Any, **kwargs: Any) -> Any:
+        statements.append(str(query).strip())
+        return execute(query, *args, **kwargs)
+
+    monkeypatch.setattr(conn, "execute", recorded)
+    return statements
+
+
+def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch runs first without savepoints: one whose commands all succeed sends no
+    SAVEPOINT; the prefix's counts are written once, as it commits, and that write
+    returns the transaction's id (no statement of its own for it). A command that fails
+    after writing has the batch run again, each command in a savepoint of its own, and
+    the counts stay true."""
+    from queryqueue.driver_postgres.store import PostgresTransaction
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        store.add("p:a", "{}")
+        statements = _recording(store, monkeypatch)
+        answers = store.batched(
+            lambda: [store.add("p:b", "{}"), store.add("p:c", "{}"), store.retrieve("p:a")],
+            lambda _: None,
+        )
+        assert [a.added for a in answers[:2]] == [True, True] and answers[2].payload is not None
+        assert not [s for s in statements if "SAVEPOINT" in s]
+        assert len([s for s in statements if "prefix_counts" in s]) == 1
+        assert not [s for s in statements if "txid_current_if_assigned" in s]
+        assert store.add("p:d", "{}").pending == 3  # b, c, d; a is active
+
+        statements.clear()
+
+        def failing(self: PostgresTransaction, item: Any, now: int) -> None:
+            self._write("UPDATE items SET heartbeat = 1 / 0 WHERE id = %s", (item.id,))
+
+        monkeypatch.setattr(PostgresTransaction, "set_heartbeat", failing)
+        answers = store.batched(
+            lambda: answers_or_errors(
+                lambda: store.add("p:e", "{}"),
+                lambda: store.heartbeat("p:a"),
+                lambda: store.add("p:f", "{}"),
+            ),
+            lambda _: None,
+        )
+        assert isinstance(answers[1], StoreError) and answers[0].added and answers[2].added
+        assert [s.split()[0] for s in statements if "SAVEPOINT" in s] == [
+            "SAVEPOINT",
+            "ROLLBACK",
+            "RELEASE",
+        ]
+        monkeypatch.undo()
+        assert store.add("p:g", "{}").pending == 6  # b, c, d, e, f, g
+        assert [row.id for row in store.active("p")] == ["a"]
+    finally:
+        store.close()
+
+
+async def test_a_store_is_not_woken_by_its_own_notify_but_by_another_hosts() -> None:
+    """An ACK wakes its own store's waiters as it commits, with the result: the NOTIFY it
+    also sends, back on that store's listener, is for the other hosts only (it would wake
+    them a second time, with no result to read back)."""
+    import orjson
+
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        waiter = store.waiters.subscribe("p:a")
+        note = {"id": 1, "path": "p:a", "null": False, "ext": None}
+        store._publish(orjson.dumps({**note, "from": store.origin}).decode())
+        assert not waiter.future.done()
+        store._publish(orjson.dumps({**note, "from": "another host"}).decode())
+        assert waiter.future.done() and waiter.future.result().id == 1
+    finally:
+        store.close()
