@@ -95,6 +95,12 @@ def _scalar(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] =
     return None if row is None else row[0]
 
 
+def _xid(cursor: psycopg.Cursor[Any] | None) -> int | None:
+    """The transaction id a counts' upsert returned (`_Known.flush`), if one ran."""
+    row = None if cursor is None else cursor.fetchone()
+    return None if row is None else int(row[0])
+
+
 class _Redo(BaseException):
     """A command failed after writing in a batch run without savepoints: the batch is
     rolled back and run again, each command in a savepoint of its own (`batched`). A
@@ -144,21 +150,20 @@ class _Known:
         self.counts[prefix] = counts = (pending + delta[0], active + delta[1])
         return counts
 
-    def flush(self, conn: psycopg.Connection[Any]) -> int | None:
+    def flush(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any] | None:
         """Write the counts' changes: before COMMIT, and before a read of the table.
-        Returns the transaction's id if it wrote them (what `_Ending` would ask for)."""
+        Returns the last upsert, which returns the transaction's id (`_xid`)."""
         changed = [(prefix, p, a) for prefix, (p, a) in self.deltas.items() if p or a]
         self.deltas = {}
-        xid = None
+        cursor = None
         for params in changed:
-            xid = _scalar(
-                conn,
+            cursor = conn.execute(
                 "INSERT INTO prefix_counts AS c (prefix, pending, active) VALUES (%s, %s, %s)"
                 " ON CONFLICT (prefix) DO UPDATE SET pending = c.pending + excluded.pending,"
                 " active = c.active + excluded.active RETURNING txid_current()",
                 params,
             )
-        return None if xid is None else int(xid)
+        return cursor
 
     def locked(self, prefix: str, row: tuple[Any, ...]) -> None:
         """What `lock_prefix` read as it took the lock (see schema.py)."""
@@ -201,16 +206,34 @@ class _Ending:
 class _Batch:
     """A group commit in progress on one thread's connection: the prefixes whose lock it
     holds (taken by commands that committed into it) and what it knows of them, whether
-    it wrote, and what broke it, if anything (then none of it commits)."""
+    it wrote, and what broke it, if anything (then none of it commits).
 
-    __slots__ = ("conn", "failure", "known", "locked", "prefix", "savepoint", "wrote")
+    `pipelined`: its first run (see `PostgresQueueStore._pipelined`), without savepoints;
+    psycopg's idea of the transaction's state is stale in a pipeline, so the batch says
+    itself whether a command of it has been kept yet (`kept`)."""
 
-    def __init__(self, conn: psycopg.Connection[Any], prefix: str | None) -> None:
+    __slots__ = (
+        "conn",
+        "failure",
+        "kept",
+        "known",
+        "locked",
+        "pipelined",
+        "prefix",
+        "savepoint",
+        "wrote",
+    )
+
+    def __init__(
+        self, conn: psycopg.Connection[Any], prefix: str | None, *, pipelined: bool = False
+    ) -> None:
         self.conn = conn
         self.prefix = prefix  # locked by the command that opens the transaction
+        self.pipelined = pipelined
         self.locked: set[str] = set()
         self.known = _Known()
         self.wrote = False
+        self.kept = False
         self.failure: StoreError | None = None
         self.savepoint = False  # a command's savepoint is open
 
@@ -224,14 +247,20 @@ class PostgresTransaction:
         locked: set[str] | None = None,
         known: _Known | None = None,
         origin: str = "",
+        *,
+        pipelined: bool = False,
     ) -> None:
         self._c = conn
+        self._pipelined = pipelined
         self._channel = channel
         self._origin = origin
         self._schema = schema
         self._locked: set[str] = set(locked or ())
         self.known = known.copy() if known is not None else _Known()
         self.wrote = False
+        # Locks taken in a pipeline whose answer (what `lock_prefix` read) is not read
+        # yet: it comes with the next statement whose answer is (`_settle`).
+        self._unsettled: list[tuple[str, psycopg.Cursor[Any]]] = []
 
     def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
         """A statement that changes data: the transaction then has an id to look up
@@ -251,13 +280,23 @@ class PostgresTransaction:
         """Serialize this transaction with every other one on `prefix`, on every host."""
         if prefix not in self._locked:
             # With what every command reads next under it: no statement of its own for it.
-            row = self._one(
+            cursor = self._c.execute(
                 "SELECT * FROM lock_prefix(%s, %s, %s)",
                 (prefix_lock_key(self._schema, prefix), prefix, ACTIVE_PREFETCH),
             )
+            self._locked.add(prefix)
+            self._unsettled.append((prefix, cursor))
+            if not self._pipelined:
+                self._settle()
+
+    def _settle(self) -> None:
+        """What the locks taken read, into `known`: before it is read or changed (it
+        counts what this transaction changes from what they read)."""
+        unsettled, self._unsettled = self._unsettled, []
+        for prefix, cursor in unsettled:
+            row = cursor.fetchone()
             assert row is not None
             self.known.locked(prefix, row)
-            self._locked.add(prefix)
 
     # -- items ------------------------------------------------------------------------
 
@@ -292,8 +331,13 @@ class PostgresTransaction:
     def insert(self, item: Item) -> QueueId:
         self.lock(item.prefix)
         # A savepoint only where a conflict can happen (an external id, unique across
-        # prefixes, so not covered by the prefix lock): it leaves the command usable.
-        savepoint = self._c.transaction() if item.external_id is not None else _NO_SAVEPOINT
+        # prefixes, so not covered by the prefix lock): it leaves the command usable. Not
+        # in a pipelined batch: a conflict there runs the batch again, guarded (_Redo).
+        savepoint = (
+            self._c.transaction()
+            if item.external_id is not None and not self._pipelined
+            else _NO_SAVEPOINT
+        )
         self.wrote = True
         try:
             with savepoint:
@@ -331,10 +375,12 @@ class PostgresTransaction:
         return int(row[0])
 
     def _count(self, prefix: str, pending: int, active: int) -> None:
+        self._settle()
         self.wrote = True  # written as the transaction commits (`_Known.flush`)
         self.known.count(prefix, pending, active)
 
     def activate(self, item: Item, now: int, extra: str | None) -> None:
+        self._settle()
         self._write(
             "UPDATE items SET status = %s, heartbeat = %s, extra = %s WHERE id = %s",
             (ACTIVE, now, extra, item.id),
@@ -352,6 +398,7 @@ class PostgresTransaction:
         self._write("UPDATE items SET extra = %s WHERE id = %s", (extra, item.id))
 
     def delete(self, item: Item) -> None:
+        self._settle()
         self._write("DELETE FROM items WHERE id = %s", (item.id,))
         if item.status == "pending":
             self._count(item.prefix, -1, 0)
@@ -361,6 +408,7 @@ class PostgresTransaction:
 
     def counts(self, prefix: str) -> tuple[int, int]:
         self.lock(prefix)
+        self._settle()
         known = self.known.counts.get(prefix)
         if known is None:
             row = self._one(
@@ -371,6 +419,7 @@ class PostgresTransaction:
 
     def active_keys(self, prefix: str) -> list[str]:
         self.lock(prefix)
+        self._settle()
         rows = self.known.active.get(prefix)
         if rows is None:
             rows = self.known.active[prefix] = [
@@ -485,12 +534,15 @@ class PostgresTransaction:
 
     def purge_expired_results(self, now: int, limit: int) -> int:
         # A bounded batch, skipping rows another host is purging: never a long lock.
-        cursor = self._write(
-            "DELETE FROM results WHERE id IN (SELECT id FROM results WHERE expire <= %s"
-            " LIMIT %s FOR UPDATE SKIP LOCKED)",
+        # Counted by the statement: a pipelined write has no row count to read yet.
+        self.wrote = True
+        row = self._one(
+            "WITH gone AS (DELETE FROM results WHERE id IN (SELECT id FROM results"
+            " WHERE expire <= %s LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING 1)"
+            " SELECT count(*) FROM gone",
             (now, limit),
         )
-        return cursor.rowcount
+        return 0 if row is None else int(row[0])
 
     def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
         self.known.flush(self._c)
@@ -510,6 +562,7 @@ class PostgresTransaction:
         return cursor.rowcount
 
     def truncate(self) -> None:
+        self._settle()
         self.known = _Known()
         # DELETE rather than TRUNCATE: the identity keeps counting, ids are never reused.
         self._write("DELETE FROM items")
@@ -677,29 +730,100 @@ class PostgresQueueStore(QueueStore):
             yield
             return
         conn = self._connection()
-        batch = _Batch(conn, prefix)
+        batch = _Batch(conn, prefix, pipelined=not getattr(self._local, "guarded", True))
         effects: list[Callable[[], object]] = []
         self._local.batch, self._local.effects = batch, effects
         ending = _Ending()
         try:
             with self._ended(conn, ending):
-                yield  # each command is watched on its own (`_command_in`)
-                if batch.failure is not None:
-                    raise batch.failure
+                with self._pipelined(batch):
+                    yield  # each command is watched on its own (`_command_in`)
+                    if batch.failure is not None:
+                        raise batch.failure
+                    counts = batch.known.flush(conn)
                 if conn.info.transaction_status not in (_IDLE, _INTRANS):
                     # A command's undo failed: COMMIT would only roll back, silently.
                     raise StoreError("queue database: the batch's transaction was aborted")
                 if conn.info.transaction_status == _INTRANS:
                     with self._watchdog.watching(conn):
-                        ending.commit_next(conn, batch.wrote, batch.known.flush(conn))
+                        ending.commit_next(conn, batch.wrote, _xid(counts))
                         conn.commit()
         finally:
             self._local.batch = self._local.effects = None
             if not conn.broken and conn.info.transaction_status != _IDLE:  # it did not commit
                 with contextlib.suppress(psycopg.Error):
                     conn.rollback()
+            if batch.pipelined and not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.autocommit = False
         for effect in effects:  # decide, then act: only what has committed is told
             effect()
+
+    @contextmanager
+    def _pipelined(self, batch: _Batch) -> Iterator[None]:
+        """A batch's first run (`batched`) sends its statements without waiting for those
+        whose answer it does not read (its writes, and its BEGIN): a read waits for all
+        before it, the pipeline's end (one round trip, before COMMIT) for what is left.
+        Refused there, a statement has the batch run again, guarded and unpipelined
+        (`_Redo`), where it is its own command's error. The BEGIN is the batch's own
+        (psycopg's would wait for its answer): in autocommit mode until it ends."""
+        if not batch.pipelined:
+            yield
+            return
+        conn = batch.conn
+        conn.autocommit = True
+        pipeline = conn.pipeline()
+        with self._watchdog.watching(conn):
+            pipeline.__enter__()
+            try:
+                conn.execute("BEGIN")
+            except BaseException as exc:
+                with contextlib.suppress(psycopg.Error):
+                    pipeline.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+        try:
+            yield
+        except BaseException as exc:
+            with self._watchdog.watching(conn), contextlib.suppress(psycopg.Error):
+                pipeline.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        try:
+            with self._watchdog.watching(conn):
+                pipeline.__exit__(None, None, None)
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise  # the batch changed nothing: it runs again whole (`_ended`)
+            raise _Redo from exc
+
+    def _pipelined_failure(
+        self, batch: _Batch, tx: PostgresTransaction, exc: BaseException
+    ) -> BaseException:
+        """What a command of a pipelined batch that failed raises. One that wrote, or
+        that the database refused, has the batch run again, guarded (`_Redo`): it cannot
+        be undone alone, and the refusal may be an earlier command's. But when nothing of
+        the batch is kept yet, a refusal (a lock timeout) is rolled back and the batch
+        begins again, as a guarded batch's first command would: run again, it would only
+        wait out the same lock."""
+        conn = batch.conn
+        if isinstance(exc, psycopg.OperationalError) and (
+            conn.broken or conn.closed or self._watchdog.abandoned(conn)
+        ):
+            return self._broken(batch, exc)
+        if not isinstance(exc, psycopg.Error):
+            return _Redo() if tx.wrote else exc
+        if batch.kept or tx.wrote:
+            return _Redo()
+        try:
+            with self._watchdog.watching(conn):
+                conn.rollback()
+                conn.execute("BEGIN")
+        except psycopg.Error as undo:
+            # Not begun again: nothing more of this batch may run (each statement
+            # would commit on its own).
+            batch.failure = StoreError(f"queue database: cannot begin again: {undo}")
+        if isinstance(exc, psycopg.OperationalError):
+            return self._broken(batch, exc)
+        return StoreError(f"queue database: {exc}")
 
     @contextmanager
     def _command_in(self, batch: _Batch) -> Iterator[PostgresTransaction]:
@@ -709,19 +833,23 @@ class PostgresQueueStore(QueueStore):
         conn, outer = batch.conn, self._local.effects
         # The first opens the transaction: failing, it is rolled back (it held nothing
         # else), which spares the one-command batch a savepoint's two round trips.
-        first = conn.info.transaction_status == _IDLE
-        # A batch's first run takes no savepoints (`batched`): commands fail before they
-        # write (decide, then act), so a savepoint is needed only by one that did not.
-        guarded = getattr(self._local, "guarded", True)
+        pipelined = batch.pipelined
+        first = not pipelined and conn.info.transaction_status == _IDLE
         effects: list[Callable[[], object]] = []
         self._local.effects = effects
         tx = PostgresTransaction(
-            conn, self.channel, self.schema, batch.locked, batch.known, self.origin
+            conn,
+            self.channel,
+            self.schema,
+            batch.locked,
+            batch.known,
+            self.origin,
+            pipelined=pipelined,
         )
         try:
             with self._watchdog.watching(conn):
                 try:
-                    if not first and guarded:
+                    if not (first or pipelined):
                         # The last command's savepoint released and this one's taken in
                         # one round trip (psycopg's own savepoint blocks take two).
                         conn.execute(_NEXT_SAVEPOINT if batch.savepoint else _SAVEPOINT)
@@ -732,15 +860,16 @@ class PostgresQueueStore(QueueStore):
                 except BaseException as exc:
                     if isinstance(exc, _Redo):
                         raise
-                    if not (first or guarded or conn.broken) and (
-                        tx.wrote or isinstance(exc, psycopg.Error)
-                    ):
-                        raise _Redo from exc  # nothing to undo it alone to: run again, guarded
+                    if pipelined:
+                        failure = self._pipelined_failure(batch, tx, exc)
+                        if failure is exc:
+                            raise
+                        raise failure from exc
                     with contextlib.suppress(psycopg.Error):
                         if first:
                             conn.rollback()
                             batch.savepoint = False
-                        elif guarded and not conn.broken:
+                        elif not conn.broken:
                             conn.execute(_UNDO_SAVEPOINT)
                     if isinstance(exc, psycopg.OperationalError):
                         raise self._broken(batch, exc) from exc
@@ -749,6 +878,7 @@ class PostgresQueueStore(QueueStore):
                     raise
         finally:
             self._local.effects = outer
+        batch.kept = True
         batch.locked |= tx._locked
         batch.known = tx.known
         batch.wrote = batch.wrote or tx.wrote
@@ -785,7 +915,7 @@ class PostgresQueueStore(QueueStore):
                 tx = PostgresTransaction(conn, self.channel, self.schema, origin=self.origin)
                 yield tx
                 # Leaving the block sends COMMIT.
-                ending.commit_next(conn, tx.wrote, tx.known.flush(conn))
+                ending.commit_next(conn, tx.wrote, _xid(tx.known.flush(conn)))
         finally:
             self._local.effects = None
         for effect in effects:  # decide, then act: only what has committed is told

@@ -823,3 +823,44 @@ async def test_a_store_is_not_woken_by_its_own_notify_but_by_another_hosts() -> 
         assert waiter.future.done() and waiter.future.result().id == 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("refused_by", ["the check", "the unique index"])
+def test_a_conflict_in_a_pipelined_batch_is_its_commands_error_alone(
+    monkeypatch: pytest.MonkeyPatch, refused_by: str
+) -> None:
+    """A batch's first run is pipelined without savepoints. An ADD whose external id is
+    taken by another prefix's item fails before writing (the check), or, when another
+    host took it meanwhile, is refused by the database (the unique index): then the batch
+    runs again guarded. Either way the conflict is that ADD's error alone, the others
+    commit, the counts hold, and the connection is back out of autocommit."""
+    from queryqueue.driver_postgres.store import PostgresTransaction
+    from queryqueue.engine.errors import ExternalIdConflictError
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        store.add("q:x", "{}", external_id="e1")
+        statements = _recording(store, monkeypatch)
+        if refused_by == "the unique index":
+            monkeypatch.setattr(PostgresTransaction, "external_id_taken", lambda *_: False)
+        answers = store.batched(
+            lambda: answers_or_errors(
+                lambda: store.add("p:a", "{}"),
+                lambda: store.add("p:b", "{}", external_id="e1"),
+                lambda: store.add("p:c", "{}"),
+            ),
+            lambda _: None,
+        )
+        monkeypatch.undo()
+        assert answers[0].added and answers[2].added
+        assert isinstance(answers[1], ExternalIdConflictError)
+        runs_again = refused_by == "the unique index"
+        # The pipelined run's own BEGIN; the guarded run's is psycopg's (not recorded).
+        assert statements.count("BEGIN") == 1
+        assert ("SAVEPOINT command" in statements) is runs_again
+        assert [row.id for row in store.pending("p")] == ["a", "c"]
+        assert store.add("p:d", "{}").pending == 3
+        assert not store._connection().autocommit
+    finally:
+        store.close()
