@@ -101,6 +101,17 @@ def _xid(cursor: psycopg.Cursor[Any] | None) -> int | None:
     return None if row is None else int(row[0])
 
 
+def _answered_xid(cursors: list[psycopg.Cursor[Any]]) -> int | None:
+    """The transaction id one of these writes returned, if its answer is in already (a
+    pipelined write's comes with the next read): asking for it would cost a round trip."""
+    for cursor in cursors:
+        if cursor.pgresult is not None:
+            row = cursor.fetchone()
+            if row is not None:
+                return int(row[0])
+    return None
+
+
 class _Redo(BaseException):
     """A command failed after writing in a batch run without savepoints: the batch is
     rolled back and run again, each command in a savepoint of its own (`batched`). A
@@ -222,6 +233,8 @@ class _Batch:
         "prefix",
         "savepoint",
         "wrote",
+        "xid",
+        "xid_cursors",
     )
 
     def __init__(
@@ -234,6 +247,8 @@ class _Batch:
         self.known = _Known()
         self.wrote = False
         self.kept = False
+        self.xid: int | None = None
+        self.xid_cursors: list[psycopg.Cursor[Any]] = []
         self.failure: StoreError | None = None
         self.savepoint = False  # a command's savepoint is open
 
@@ -258,6 +273,10 @@ class PostgresTransaction:
         self._locked: set[str] = set(locked or ())
         self.known = known.copy() if known is not None else _Known()
         self.wrote = False
+        # The transaction's id, as a write returned it (a COMMIT whose answer is lost is
+        # looked up by it); or the writes that return it, answered or not yet.
+        self.xid: int | None = None
+        self.xid_cursors: list[psycopg.Cursor[Any]] = []
         # Locks taken in a pipeline whose answer (what `lock_prefix` read) is not read
         # yet: it comes with the next statement whose answer is (`_settle`).
         self._unsettled: list[tuple[str, psycopg.Cursor[Any]]] = []
@@ -344,7 +363,8 @@ class PostgresTransaction:
                 row = self._one(
                     "INSERT INTO items (prefix, key, status, priority, created, heartbeat,"
                     " orphaned, extra, process_id, exclusive, external_id, payload)"
-                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                    " RETURNING id, txid_current()",
                     (
                         item.prefix,
                         item.key,
@@ -367,6 +387,7 @@ class PostgresTransaction:
                 f"external id {item.external_id!r} is already used by another queued item"
             ) from exc
         assert row is not None
+        self.xid = int(row[1])
         if item.status == "pending":
             self._count(item.prefix, 1, 0)
         else:
@@ -399,7 +420,9 @@ class PostgresTransaction:
 
     def delete(self, item: Item) -> None:
         self._settle()
-        self._write("DELETE FROM items WHERE id = %s", (item.id,))
+        cursor = self._write("DELETE FROM items WHERE id = %s RETURNING txid_current()", (item.id,))
+        if self.xid is None:
+            self.xid_cursors.append(cursor)
         if item.status == "pending":
             self._count(item.prefix, -1, 0)
         else:
@@ -741,23 +764,39 @@ class PostgresQueueStore(QueueStore):
                     if batch.failure is not None:
                         raise batch.failure
                     counts = batch.known.flush(conn)
+                    if batch.pipelined:
+                        self._commit_in_pipeline(batch, ending)
                 if conn.info.transaction_status not in (_IDLE, _INTRANS):
                     # A command's undo failed: COMMIT would only roll back, silently.
                     raise StoreError("queue database: the batch's transaction was aborted")
                 if conn.info.transaction_status == _INTRANS:
                     with self._watchdog.watching(conn):
-                        ending.commit_next(conn, batch.wrote, _xid(counts))
+                        xid = batch.xid if batch.xid is not None else _xid(counts)
+                        ending.commit_next(conn, batch.wrote, xid)
                         conn.commit()
         finally:
             self._local.batch = self._local.effects = None
             if not conn.broken and conn.info.transaction_status != _IDLE:  # it did not commit
                 with contextlib.suppress(psycopg.Error):
                     conn.rollback()
-            if batch.pipelined and not conn.closed:
-                with contextlib.suppress(psycopg.Error):
-                    conn.autocommit = False
+            self._leave_clean(conn, batch)
         for effect in effects:  # decide, then act: only what has committed is told
             effect()
+
+    @staticmethod
+    def _leave_clean(conn: psycopg.Connection[Any], batch: _Batch) -> None:
+        """A connection the batch could not leave idle and out of autocommit (a pipeline
+        cut short by a dying server may be left in any state) is closed, not reused: the
+        next command gets a fresh one."""
+        try:
+            if batch.pipelined and not conn.closed:
+                conn.autocommit = False
+            if conn.closed or conn.info.transaction_status == _IDLE:
+                return
+        except psycopg.Error:
+            pass
+        with contextlib.suppress(psycopg.Error):
+            conn.close()
 
     @contextmanager
     def _pipelined(self, batch: _Batch) -> Iterator[None]:
@@ -794,6 +833,17 @@ class PostgresQueueStore(QueueStore):
             if conn.broken or conn.closed:
                 raise  # the batch changed nothing: it runs again whole (`_ended`)
             raise _Redo from exc
+
+    @staticmethod
+    def _commit_in_pipeline(batch: _Batch, ending: _Ending) -> None:
+        """COMMIT with the pipeline's end, one round trip for both, when the transaction's
+        id is known already or it wrote nothing (else COMMIT follows: the id, looked up
+        should COMMIT's answer be lost, comes with the pipeline's end)."""
+        xid = batch.xid if batch.xid is not None else _answered_xid(batch.xid_cursors)
+        if batch.wrote and xid is None:
+            return
+        ending.xid, ending.committing = xid, True
+        batch.conn.execute("COMMIT")
 
     def _pipelined_failure(
         self, batch: _Batch, tx: PostgresTransaction, exc: BaseException
@@ -879,6 +929,8 @@ class PostgresQueueStore(QueueStore):
         finally:
             self._local.effects = outer
         batch.kept = True
+        batch.xid = batch.xid if batch.xid is not None else tx.xid
+        batch.xid_cursors += tx.xid_cursors
         batch.locked |= tx._locked
         batch.known = tx.known
         batch.wrote = batch.wrote or tx.wrote
