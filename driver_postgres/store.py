@@ -320,7 +320,9 @@ class PostgresTransaction:
     # -- items ------------------------------------------------------------------------
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
-        columns = ITEM_COLUMNS + (", payload" if with_payload else "")
+        # Locking the row found gives the transaction its id (the row's locker): read with
+        # it, what a lost COMMIT is looked up by costs no statement (`_commit_in_pipeline`).
+        columns = ITEM_COLUMNS + (", payload" if with_payload else "") + ", txid_current()"
         if isinstance(key, int):
             if self._locked:  # an item of a prefix this transaction holds: one statement
                 row = self._one(
@@ -328,7 +330,7 @@ class PostgresTransaction:
                     (key, list(self._locked)),
                 )
                 if row is not None:
-                    return item_from_row(row)
+                    return self._found(row)
             # Items never change prefix: read it unlocked, lock the prefix, then the row.
             found = self._one("SELECT prefix FROM items WHERE id = %s", (key,))
             if found is None:
@@ -342,7 +344,12 @@ class PostgresTransaction:
                 f"SELECT {columns} FROM items WHERE prefix = %s AND key = %s FOR UPDATE",
                 (prefix, name),
             )
-        return None if row is None else item_from_row(row)
+        return None if row is None else self._found(row)
+
+    def _found(self, row: tuple[Any, ...]) -> Item:
+        if self.xid is None:
+            self.xid = int(row[-1])
+        return item_from_row(row[:-1])
 
     def external_id_taken(self, external_id: str) -> bool:
         return self._one("SELECT 1 FROM items WHERE external_id = %s", (external_id,)) is not None

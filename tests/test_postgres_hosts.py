@@ -776,7 +776,14 @@ def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
         assert not [s for s in statements if "SAVEPOINT" in s]
         assert len([s for s in statements if "prefix_counts" in s]) == 1
         assert not [s for s in statements if "txid_current_if_assigned" in s]
-        assert store.add("p:d", "{}").pending == 3  # b, c, d; a is active
+        # Its id known (the inserts returned it), COMMIT went with the pipeline's end.
+        assert statements[-1] == "COMMIT"
+        statements.clear()
+        acked = store.batched(lambda: store.ack("p:a", '"done"'), lambda _: None)
+        assert acked.success and statements[-1] == "COMMIT"  # the id came with the find
+        assert not [s for s in statements if "txid_current_if_assigned" in s]
+        store.retrieve("p:b")
+        assert store.add("p:d", "{}").pending == 2  # c, d; b is active
 
         statements.clear()
 
@@ -787,7 +794,7 @@ def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
         answers = store.batched(
             lambda: answers_or_errors(
                 lambda: store.add("p:e", "{}"),
-                lambda: store.heartbeat("p:a"),
+                lambda: store.heartbeat("p:b"),
                 lambda: store.add("p:f", "{}"),
             ),
             lambda _: None,
@@ -799,8 +806,8 @@ def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
             "RELEASE",
         ]
         monkeypatch.undo()
-        assert store.add("p:g", "{}").pending == 6  # b, c, d, e, f, g
-        assert [row.id for row in store.active("p")] == ["a"]
+        assert store.add("p:g", "{}").pending == 5  # c, d, e, f, g
+        assert [row.id for row in store.active("p")] == ["b"]
     finally:
         store.close()
 
