@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -221,14 +222,38 @@ def run_once(spec: dict, workdir: Path) -> dict:
             for event, offset in sorted(zip(go, offsets, strict=True), key=lambda g: g[1]):
                 time.sleep(max(0.0, began + offset - time.monotonic()))
                 event.set()
-            for _ in processes:
-                index, records = out.get(timeout=3600)
+            for index, records in collect(out, processes):
                 by_share[index] = records
         for process in processes:
             process.join(30)
     finally:
         stop_workers(workers)
     return {"by_share": by_share, "cpu_s": meter.cpu_s, "peak_rss": meter.peak_rss}
+
+
+def collect(out, processes: list, limit_s: float = 3600.0):
+    """Each request process's records as it reports them. One that died without
+    reporting (an exception in the peer's client) fails the run at once, naming its exit
+    code, instead of holding up the suite for the whole limit."""
+    deadline = time.monotonic() + limit_s
+    reported, quiet_since = 0, None
+    while reported < len(processes):
+        try:
+            yield out.get(timeout=1.0)
+            reported += 1
+            quiet_since = None
+            continue
+        except queue.Empty:
+            pass
+        codes = [p.exitcode for p in processes]
+        if any(code not in (None, 0) for code in codes):
+            raise RuntimeError(f"a request process died without its records: exit codes {codes}")
+        if all(code == 0 for code in codes):  # all gone: what they sent is in by now
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since > 10:
+                raise RuntimeError("the request processes ended without all their records")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no records after {limit_s:.0f} s")
 
 
 def plan(spec: dict):
