@@ -95,17 +95,12 @@ def _scalar(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] =
     return None if row is None else row[0]
 
 
-def _xid(cursor: psycopg.Cursor[Any] | None) -> int | None:
-    """The transaction id a counts' upsert returned (`_Known.flush`), if one ran."""
-    row = None if cursor is None else cursor.fetchone()
-    return None if row is None else int(row[0])
-
-
-def _answered_xid(cursors: list[psycopg.Cursor[Any]]) -> int | None:
-    """The transaction id one of these writes returned, if its answer is in already (a
-    pipelined write's comes with the next read): asking for it would cost a round trip."""
+def _answered_xid(*cursors: psycopg.Cursor[Any] | None) -> int | None:
+    """The transaction id one of these writes returned (`RETURNING txid_current()`), if
+    its answer is in already (a pipelined write's comes with the next read, or with the
+    pipeline's end): asking for it would cost a round trip."""
     for cursor in cursors:
-        if cursor.pgresult is not None:
+        if cursor is not None and cursor.pgresult is not None:
             row = cursor.fetchone()
             if row is not None:
                 return int(row[0])
@@ -163,7 +158,7 @@ class _Known:
 
     def flush(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any] | None:
         """Write the counts' changes: before COMMIT, and before a read of the table.
-        Returns the last upsert, which returns the transaction's id (`_xid`)."""
+        Returns the last upsert, which returns the transaction's id (`_answered_xid`)."""
         changed = [(prefix, p, a) for prefix, (p, a) in self.deltas.items() if p or a]
         self.deltas = {}
         cursor = None
@@ -248,9 +243,13 @@ class _Batch:
         self.wrote = False
         self.kept = False
         self.xid: int | None = None
-        self.xid_cursors: list[psycopg.Cursor[Any]] = []
+        self.xid_cursors: list[psycopg.Cursor[Any] | None] = []
         self.failure: StoreError | None = None
         self.savepoint = False  # a command's savepoint is open
+
+    def answered_xid(self) -> int | None:
+        """The transaction's id, if a read or a write's answer gave it already."""
+        return self.xid if self.xid is not None else _answered_xid(*self.xid_cursors)
 
 
 class PostgresTransaction:
@@ -565,13 +564,12 @@ class PostgresTransaction:
     def purge_expired_results(self, now: int, limit: int) -> int:
         # A bounded batch, skipping rows another host is purging: never a long lock.
         # Counted by the statement: a pipelined write has no row count to read yet.
-        self.wrote = True
-        row = self._one(
+        row = self._write(
             "WITH gone AS (DELETE FROM results WHERE id IN (SELECT id FROM results"
             " WHERE expire <= %s LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING 1)"
             " SELECT count(*) FROM gone",
             (now, limit),
-        )
+        ).fetchone()
         return 0 if row is None else int(row[0])
 
     def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
@@ -770,7 +768,7 @@ class PostgresQueueStore(QueueStore):
                     yield  # each command is watched on its own (`_command_in`)
                     if batch.failure is not None:
                         raise batch.failure
-                    counts = batch.known.flush(conn)
+                    batch.xid_cursors.append(batch.known.flush(conn))
                     if batch.pipelined:
                         self._commit_in_pipeline(batch, ending)
                 if conn.info.transaction_status not in (_IDLE, _INTRANS):
@@ -778,8 +776,7 @@ class PostgresQueueStore(QueueStore):
                     raise StoreError("queue database: the batch's transaction was aborted")
                 if conn.info.transaction_status == _INTRANS:
                     with self._watchdog.watching(conn):
-                        xid = batch.xid if batch.xid is not None else _xid(counts)
-                        ending.commit_next(conn, batch.wrote, xid)
+                        ending.commit_next(conn, batch.wrote, batch.answered_xid())
                         conn.commit()
         finally:
             self._local.batch = self._local.effects = None
@@ -846,7 +843,7 @@ class PostgresQueueStore(QueueStore):
         """COMMIT with the pipeline's end, one round trip for both, when the transaction's
         id is known already or it wrote nothing (else COMMIT follows: the id, looked up
         should COMMIT's answer be lost, comes with the pipeline's end)."""
-        xid = batch.xid if batch.xid is not None else _answered_xid(batch.xid_cursors)
+        xid = batch.answered_xid()
         if batch.wrote and xid is None:
             return
         ending.xid, ending.committing = xid, True
@@ -974,7 +971,7 @@ class PostgresQueueStore(QueueStore):
                 tx = PostgresTransaction(conn, self.channel, self.schema, origin=self.origin)
                 yield tx
                 # Leaving the block sends COMMIT.
-                ending.commit_next(conn, tx.wrote, _xid(tx.known.flush(conn)))
+                ending.commit_next(conn, tx.wrote, _answered_xid(tx.known.flush(conn)))
         finally:
             self._local.effects = None
         for effect in effects:  # decide, then act: only what has committed is told
