@@ -61,35 +61,29 @@ STATUS_NAME: dict[int, ItemStatus] = {0: "pending", 1: "active"}
 
 def item_from_row(row: Sequence[Any]) -> Item:
     """An ITEM_COLUMNS row (plus payload, when selected) as an Item."""
+    # Positional, in field order: a frozen dataclass's keyword call costs twice as much,
+    # and every listing and lookup builds these.
     return Item(
-        id=row[0],
-        prefix=row[1],
-        key=row[2],
-        status=STATUS_NAME[row[3]],
-        priority=row[4],
-        created=row[5],
-        heartbeat=row[6],
-        orphaned=row[7],
-        extra=row[8],
-        process_id=row[9],
-        exclusive=bool(row[10]),
-        external_id=row[11],
-        payload=row[12] if len(row) > 12 else None,
+        row[0],
+        row[1],
+        row[2],
+        STATUS_NAME[row[3]],
+        row[4],
+        row[5],
+        row[6],
+        row[7],
+        row[8],
+        row[9],
+        bool(row[10]),
+        row[11],
+        row[12] if len(row) > 12 else None,
     )
 
 
 def result_from_row(row: Sequence[Any] | None) -> StoredResult | None:
     if row is None:
         return None
-    return StoredResult(
-        id=row[0],
-        path=row[1],
-        value=row[2],
-        deleted=bool(row[3]),
-        expire=row[4],
-        external_id=row[5],
-        consumed_by=row[6],
-    )
+    return StoredResult(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6])
 
 
 @dataclass(frozen=True, slots=True)
