@@ -50,6 +50,61 @@ class _Redo(BaseException):
     BaseException: no command's or server's error handling may take it for an answer."""
 
 
+class _Counts:
+    """The counters of the prefixes one transaction touched: each read from `prefix_counts`
+    once (with what the transaction changed since), and the changes, written once per
+    prefix as it commits (`flush`) rather than by an upsert per item changed: under the
+    throughput benchmark's load, three statements a query fewer."""
+
+    __slots__ = ("deltas", "known")
+
+    def __init__(self) -> None:
+        self.known: dict[str, tuple[int, int]] = {}
+        self.deltas: dict[str, tuple[int, int]] = {}
+
+    def snapshot(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+        return dict(self.known), dict(self.deltas)
+
+    def restore(
+        self, snapshot: tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]
+    ) -> None:
+        self.known, self.deltas = dict(snapshot[0]), dict(snapshot[1])
+
+    def change(self, prefix: str, pending: int, active: int) -> None:
+        was = self.deltas.get(prefix, (0, 0))
+        self.deltas[prefix] = (was[0] + pending, was[1] + active)
+        known = self.known.get(prefix)
+        if known is not None:
+            self.known[prefix] = (known[0] + pending, known[1] + active)
+
+    def stored(self, prefix: str, row: tuple[Any, ...] | None) -> tuple[int, int]:
+        """`prefix`'s counts as the table holds them, with this transaction's changes."""
+        pending, active = (0, 0) if row is None else (int(row[0]), int(row[1]))
+        delta = self.deltas.get(prefix, (0, 0))
+        self.known[prefix] = counts = (pending + delta[0], active + delta[1])
+        return counts
+
+    def forget(self) -> None:
+        self.known.clear()
+        self.deltas.clear()
+
+    def flush(self, conn: sqlite3.Connection) -> None:
+        changed = [(prefix, p, a) for prefix, (p, a) in self.deltas.items() if p or a]
+        if not changed:
+            return
+        if not conn.in_transaction:
+            # SQLite rolled the transaction back (a full disk, say): written now, the counts
+            # would commit on their own, apart from the items they count.
+            raise sqlite3.OperationalError("the transaction was rolled back before its COMMIT")
+        conn.executemany(
+            "INSERT INTO prefix_counts (prefix, pending, active) VALUES (?, ?, ?)"
+            " ON CONFLICT (prefix) DO UPDATE SET pending = pending + excluded.pending,"
+            " active = active + excluded.active",
+            changed,
+        )
+        self.deltas = {}
+
+
 class _Savepoint:
     """A command's savepoint inside a batch, opened by its first write: a command that only
     reads costs no SAVEPOINT and RELEASE. (Left open until the COMMIT instead of released,
@@ -60,9 +115,13 @@ class _Savepoint:
     before any write needs no savepoint at all (6 statements a query fewer); one that
     failed after writing is run again guarded (`_Redo`)."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path, *, guarded: bool = True) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path, counts: _Counts, *, guarded: bool = True
+    ) -> None:
         self._c = conn
         self._path = path
+        self._counts = counts
+        self._counted = counts.snapshot() if guarded else None
         self._guarded = guarded
         self.opened = False
 
@@ -89,6 +148,8 @@ class _Savepoint:
             with suppress(sqlite3.Error):
                 self._c.execute("ROLLBACK TO command")
                 self._c.execute("RELEASE command")
+            if self._counted is not None:
+                self._counts.restore(self._counted)
 
     def release(self) -> None:
         if self.opened and self._guarded:
@@ -102,8 +163,11 @@ class SqliteTransaction:
     """The hooks on one connection. Inside a batch, `savepoint` is the command's: every
     write calls `_write()` first, so a command that only reads opens none."""
 
-    def __init__(self, conn: sqlite3.Connection, savepoint: _Savepoint | None = None) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, counts: _Counts, savepoint: _Savepoint | None = None
+    ) -> None:
         self._c = conn
+        self._counts = counts
         self._savepoint = savepoint
 
     def _write(self) -> None:
@@ -160,12 +224,7 @@ class SqliteTransaction:
 
     def _count(self, prefix: str, pending: int, active: int) -> None:
         self._write()
-        self._c.execute(
-            "INSERT INTO prefix_counts (prefix, pending, active) VALUES (?, ?, ?)"
-            " ON CONFLICT (prefix) DO UPDATE SET pending = pending + excluded.pending,"
-            " active = active + excluded.active",
-            (prefix, pending, active),
-        )
+        self._counts.change(prefix, pending, active)
 
     def activate(self, item: Item, now: int, extra: str | None) -> None:
         self._write()
@@ -196,8 +255,11 @@ class SqliteTransaction:
             self._count(item.prefix, 0, -1)
 
     def counts(self, prefix: str) -> tuple[int, int]:
+        known = self._counts.known.get(prefix)
+        if known is not None:
+            return known
         row = self._one("SELECT pending, active FROM prefix_counts WHERE prefix = ?", (prefix,))
-        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+        return self._counts.stored(prefix, row)
 
     def active_keys(self, prefix: str) -> list[str]:
         rows = self._c.execute(
@@ -313,12 +375,15 @@ class SqliteTransaction:
         oldest = dict(
             self._c.execute("SELECT prefix, min(created) FROM items GROUP BY prefix").fetchall()
         )
+        stored = {row[0]: row[1:] for row in self._c.execute("SELECT * FROM prefix_counts")}
+        counted = [
+            (prefix, *self._counts.stored(prefix, stored.get(prefix)))
+            for prefix in sorted(stored.keys() | self._counts.deltas.keys())
+        ]
         found = [
             PrefixOverview(prefix, pending, active, oldest.get(prefix))
-            for prefix, pending, active in self._c.execute(
-                "SELECT prefix, pending, active FROM prefix_counts"
-                " WHERE pending > 0 OR active > 0 ORDER BY prefix"
-            )
+            for prefix, pending, active in counted
+            if pending > 0 or active > 0
         ]
         row = self._one("SELECT count(*) FROM results WHERE expire > ?", (now,))
         return found, int(row[0]) if row else 0
@@ -337,6 +402,7 @@ class SqliteTransaction:
         self._c.execute("DELETE FROM items")
         self._c.execute("DELETE FROM results")
         self._c.execute("DELETE FROM prefix_counts")
+        self._counts.forget()
 
 
 class SqliteQueueStore(QueueStore):
@@ -364,6 +430,7 @@ class SqliteQueueStore(QueueStore):
         # Each command of a batch in a savepoint of its own: all but `batched`'s first run.
         self._guarded = True
         self._deferred: list[Callable[[], object]] = []
+        self._counts = _Counts()  # the current transaction's (`_begin`)
         try:
             self._conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, cached_statements=256
@@ -406,8 +473,10 @@ class SqliteQueueStore(QueueStore):
             self._conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
+        self._counts = _Counts()
 
     def _commit(self) -> None:
+        self._counts.flush(self._conn)
         self._conn.execute("COMMIT")
         self.checkpointer.dirty = True
 
@@ -416,9 +485,9 @@ class SqliteQueueStore(QueueStore):
         if self._in_batch:
             # One command inside a batch: undone alone if it fails, the batch goes on.
             with self._lock:
-                savepoint = _Savepoint(self._conn, self.path, guarded=self._guarded)
+                savepoint = _Savepoint(self._conn, self.path, self._counts, guarded=self._guarded)
                 try:
-                    yield SqliteTransaction(self._conn, savepoint)
+                    yield SqliteTransaction(self._conn, self._counts, savepoint)
                 except _Redo:
                     raise
                 except BaseException as exc:
@@ -431,7 +500,7 @@ class SqliteQueueStore(QueueStore):
         with self._lock:
             self._begin()
             try:
-                yield SqliteTransaction(self._conn)
+                yield SqliteTransaction(self._conn, self._counts)
             except BaseException as exc:
                 with suppress(sqlite3.Error):  # the original error is the one worth reporting
                     self._conn.execute("ROLLBACK")

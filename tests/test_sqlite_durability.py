@@ -268,7 +268,14 @@ def test_a_batch_whose_commands_do_not_fail_after_writing_opens_no_savepoint(
         ]
         assert [s.split()[0] for s in statements].count("BEGIN") == 1
         assert not [s for s in statements if s.startswith(("SAVEPOINT", "RELEASE", "ROLLBACK"))]
+        # The counters: read once, written once (an ADD, a RETRIEVE, an ACK and the pool's
+        # retrieval changed them), as the batch commits.
+        counters = [s for s in statements if "prefix_counts" in s]
+        assert len(counters) == 2
+        assert counters[0].startswith("SELECT") and counters[1].startswith("INSERT")
+        assert statements.index(counters[1]) == len(statements) - 2  # then COMMIT
         assert store.result(first) is not None and [r.id for r in store.active("p")] == ["b"]
+        assert _counter_rows(tmp_path / "queue.db") == {"p": (0, 1), "other": (1, 0)}
         # A batch opened directly (no `batched` to run it again) keeps its savepoints.
         statements.clear()
         store._conn.set_trace_callback(statements.append)
