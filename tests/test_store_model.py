@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -169,11 +170,13 @@ class StoresAgree(RuleBasedStateMachine):
     def counts_match_lists(self) -> None:
         for prefix in PREFIXES:
             for store in self.stores:
-                everything = store.list_items(prefix, process_id="p1") + [
+                # p1's view, and what only p2 sees (its exclusive items): every item once.
+                seen = store.list_items(prefix, process_id="p1")
+                ids = {row.queue_id for row in seen}
+                everything = seen + [
                     row
                     for row in store.list_items(prefix, process_id="p2")
-                    if row.queue_id
-                    not in {r.queue_id for r in store.list_items(prefix, process_id="p1")}
+                    if row.queue_id not in ids
                 ]
                 pending = sum(row.status == "pending" for row in everything)
                 probe = store.retrieve(f"{prefix}:__probe__", concurrency=10_000)
@@ -186,6 +189,9 @@ class StoresAgree(RuleBasedStateMachine):
 
 TestStoresAgree = StoresAgree.TestCase
 TestStoresAgree.settings = settings(max_examples=1000, stateful_step_count=30, deadline=None)
+# ~70 s alone on the 2-core machine, and a loaded one (CI's, the whole suite beside it)
+# took it past the suite's 120 s hang guard: a generous guard of its own, not fewer runs.
+TestStoresAgree.pytestmark = [pytest.mark.timeout(420)]  # type: ignore[attr-defined]
 
 
 class PostgresAgrees(StoresAgree):
