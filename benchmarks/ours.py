@@ -4,6 +4,7 @@ processes that submit through `QueueApp.pool_queue`, exactly as an application w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import tempfile
@@ -139,6 +140,9 @@ class Run:
     peak_rss: int
     stats_before: dict[str, Any]
     stats_after: dict[str, Any]
+    # CPU seconds by role: the supervisors, their workers, and the rest of the tree (the
+    # request processes, this process and its meter).
+    cpu_by_role: dict[str, float] | None = None
 
     @property
     def records(self) -> list[tuple[float, float, bool]]:
@@ -220,6 +224,7 @@ def drive(
         before = _summed([stats(h.socket_path) for h in hosts])
         by_share: list[list[tuple[float, float, bool]]] = [[] for _ in shares]
         with TreeMeter() as meter:
+            roles_before = _cpu_by_role(hosts)
             began = time.monotonic()
             offsets = start_offsets or [0.0] * len(shares)
             for go, offset in sorted(zip(gos, offsets, strict=True), key=lambda g: g[1]):
@@ -228,6 +233,7 @@ def drive(
             for _ in processes:
                 index, records = out.get(timeout=3600)
                 by_share[index] = records
+            roles_after = _cpu_by_role(hosts)
             after = _summed([stats(h.socket_path) for h in hosts])
         leave.set()
     finally:
@@ -237,7 +243,42 @@ def drive(
             if process.is_alive():
                 process.kill()
                 process.join(10)
-    return Run(by_share, meter.cpu_s, meter.peak_rss, before, after)
+    supervisors = _used(roles_before[0], roles_after[0])
+    workers = _used(roles_before[1], roles_after[1])
+    by_role = {
+        "supervisor": supervisors,
+        "workers": workers,
+        "callers": max(0.0, meter.cpu_s - supervisors - workers),
+    }
+    return Run(by_share, meter.cpu_s, meter.peak_rss, before, after, by_role)
+
+
+def _cpu_by_role(hosts: list[SupervisorProcess]) -> tuple[dict[int, float], dict[int, float]]:
+    """CPU seconds so far of each supervisor and of each of their workers, by pid."""
+    supervisors: dict[int, float] = {}
+    workers: dict[int, float] = {}
+    for host in hosts:
+        try:
+            process = psutil.Process(host.pid)
+            supervisors[host.pid] = _own_cpu(process)
+            children = process.children(recursive=True)
+        except psutil.Error:
+            continue
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                workers[child.pid] = _own_cpu(child)
+    return supervisors, workers
+
+
+def _own_cpu(process: psutil.Process) -> float:
+    # Not children_*: a worker reaped during the run would count twice.
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def _used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU used between the two readings (a process started meanwhile: all of its)."""
+    return sum(spent - before.get(pid, 0.0) for pid, spent in after.items())
 
 
 def _summed(many: list[dict[str, Any]]) -> dict[str, Any]:
@@ -596,6 +637,24 @@ def soak(n: int, producers: int = 4, in_flight: int = 64) -> list[dict[str, Any]
     return [row]
 
 
+def _cpu_ms_per_query(runs: list[Run]) -> dict[str, Any]:
+    """The median CPU milliseconds a query of each role, when the runs measured them."""
+    if any(r.cpu_by_role is None or not r.records for r in runs):
+        return {}
+    roles = ("supervisor", "workers", "callers")
+    return {
+        "cpu_ms_per_query": {
+            role: round(
+                spread([(r.cpu_by_role or {})[role] / len(r.records) * 1000 for r in runs])[
+                    "median"
+                ],
+                3,
+            )
+            for role in roles
+        }
+    }
+
+
 def _row(
     workload: str,
     system: str,
@@ -620,6 +679,7 @@ def _row(
         "peak_rss_mb": round(max(r.peak_rss for r in runs) / MiB, 1),
         "errors": sum(r.errors for r in runs),
         "executions": spread([float(r.executions) for r in runs])["median"],
+        **_cpu_ms_per_query(runs),
         "commands_per_query": round(
             sum(r.commands for r in runs) / max(1.0, queries * len(runs)), 2
         ),

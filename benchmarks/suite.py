@@ -212,6 +212,12 @@ def tables(report: dict[str, Any]) -> str:
                 )
             if r.get("commands_per_query"):
                 extra += f"{r['commands_per_query']} supervisor commands per query; "
+            if r.get("cpu_ms_per_query"):
+                by_role = r["cpu_ms_per_query"]
+                extra += (
+                    f"CPU ms a query: supervisor {_fmt(by_role['supervisor'])}, workers "
+                    f"{_fmt(by_role['workers'])}, callers {_fmt(by_role['callers'])}; "
+                )
             lines.append(
                 f"| {r['system']} | {r['n']:,} | {result} | {lat} "
                 f"| {_fmt(cpu['median']) if cpu else ''} | {r.get('peak_rss_mb', '')} "
