@@ -376,3 +376,21 @@ def test_after_sqlite_rolls_a_batch_back_its_later_commands_write_nothing_alone(
     finally:
         store.close()
     _assert_consistent(tmp_path / "queue.db")
+
+
+def test_counters_kept_for_the_commit_are_not_written_alone_after_sqlite_rolled_back(
+    tmp_path: Path,
+) -> None:
+    """A batch's counter changes wait for its COMMIT. If SQLite rolled the transaction back
+    meanwhile (a full disk, say) with nothing written since, they must not be written in
+    autocommit on their own: the COMMIT fails, and neither the item nor a count is kept."""
+    store = SqliteQueueStore(tmp_path / "queue.db")
+    try:
+        with pytest.raises(StoreError), store.batch():
+            store.add("p:a", "{}")
+            store._conn.execute("ROLLBACK")  # as SQLite does by itself on some errors
+        assert store.pending("p") == []
+        assert store.add("p:b", "{}").pending == 1
+    finally:
+        store.close()
+    assert _counter_rows(tmp_path / "queue.db") == {"p": (1, 0)}
