@@ -639,18 +639,13 @@ def soak(n: int, producers: int = 4, in_flight: int = 64) -> list[dict[str, Any]
 
 def _cpu_ms_per_query(runs: list[Run]) -> dict[str, Any]:
     """The median CPU milliseconds a query of each role, when the runs measured them."""
-    if any(r.cpu_by_role is None or not r.records for r in runs):
+    measured = [(r.cpu_by_role, len(r.records)) for r in runs]
+    if any(by_role is None or not queries for by_role, queries in measured):
         return {}
-    roles = ("supervisor", "workers", "callers")
     return {
         "cpu_ms_per_query": {
-            role: round(
-                spread([(r.cpu_by_role or {})[role] / len(r.records) * 1000 for r in runs])[
-                    "median"
-                ],
-                3,
-            )
-            for role in roles
+            role: round(spread([b[role] / q * 1000 for b, q in measured if b])["median"], 3)
+            for role in ("supervisor", "workers", "callers")
         }
     }
 

@@ -49,6 +49,7 @@ from queryqueue.driver_postgres.watchdog import Watchdog
 from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock
+from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import ExternalIdConflictError, StoreError
 from queryqueue.engine.records import (
     ITEM_COLUMNS,
@@ -117,52 +118,30 @@ class _Disconnected(StoreError):
     """The connection broke before COMMIT was sent: the command had no effect."""
 
 
-class _Known:
+class _Known(CountChanges):
     """What a transaction has read of the prefixes it holds locked, kept as it writes:
-    their counts and their active items (id, key), by id. Nobody else changes them while
-    the lock is held, so a second read within the transaction (RETRIEVE's active list
-    after it activates, the next command of a batch) costs no statement.
+    their counts (`CountChanges`, written once per prefix as the transaction commits:
+    `flush`) and their active items (id, key), by id. Nobody else changes them while the
+    lock is held, so a second read within the transaction (RETRIEVE's active list after
+    it activates, the next command of a batch) costs no statement."""
 
-    It also holds the changes to `prefix_counts` not yet written (`deltas`): one upsert
-    per prefix as the transaction commits (`flush`), not one per item changed: three
-    statements a query fewer."""
-
-    __slots__ = ("active", "counts", "deltas")
+    __slots__ = ("active",)
 
     def __init__(self) -> None:
-        self.counts: dict[str, tuple[int, int]] = {}
+        super().__init__()
         self.active: dict[str, list[tuple[int, str]]] = {}
-        self.deltas: dict[str, tuple[int, int]] = {}
 
     def copy(self) -> _Known:
         known = _Known()
-        known.counts = dict(self.counts)
+        known.counts, known.deltas = self.keep()
         known.active = {prefix: list(rows) for prefix, rows in self.active.items()}
-        known.deltas = dict(self.deltas)
         return known
-
-    def count(self, prefix: str, pending: int, active: int) -> None:
-        if prefix in self.counts:
-            was = self.counts[prefix]
-            self.counts[prefix] = (was[0] + pending, was[1] + active)
-        was = self.deltas.get(prefix, (0, 0))
-        self.deltas[prefix] = (was[0] + pending, was[1] + active)
-
-    def stored(self, prefix: str, row: tuple[Any, ...] | None) -> tuple[int, int]:
-        """The counts of `prefix` as read from the table, with what this transaction has
-        yet to write to it."""
-        pending, active = (0, 0) if row is None else (int(row[0]), int(row[1]))
-        delta = self.deltas.get(prefix, (0, 0))
-        self.counts[prefix] = counts = (pending + delta[0], active + delta[1])
-        return counts
 
     def flush(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any] | None:
         """Write the counts' changes: before COMMIT, and before a read of the table.
         Returns the last upsert, which returns the transaction's id (`_answered_xid`)."""
-        changed = [(prefix, p, a) for prefix, (p, a) in self.deltas.items() if p or a]
-        self.deltas = {}
         cursor = None
-        for params in changed:
+        for params in self.take_changes():
             cursor = conn.execute(
                 "INSERT INTO prefix_counts AS c (prefix, pending, active) VALUES (%s, %s, %s)"
                 " ON CONFLICT (prefix) DO UPDATE SET pending = c.pending + excluded.pending,"
