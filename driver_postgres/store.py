@@ -82,6 +82,17 @@ _IDLE, _INTRANS = psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatu
 _SAVEPOINT = "SAVEPOINT command"
 _NEXT_SAVEPOINT = "RELEASE SAVEPOINT command; SAVEPOINT command"
 _UNDO_SAVEPOINT = "ROLLBACK TO SAVEPOINT command"
+# The reads an ADD may make, the same text whether sent ahead (`expect_add`) or not.
+# Locking the row found gives the transaction its id (the row's locker): read with it,
+# what a lost COMMIT is looked up by costs no statement (`_commit_in_pipeline`).
+_FIND_BY_PATH = (
+    f"SELECT {ITEM_COLUMNS}, txid_current() FROM items WHERE prefix = %s AND key = %s FOR UPDATE"
+)
+_EXTERNAL_ID_TAKEN = "SELECT 1 FROM items WHERE external_id = %s"
+_LATEST_RESULT_BY_PATH = (
+    f"SELECT {RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
+    " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE"
+)
 
 
 def prefix_lock_key(schema: str, prefix: str) -> str:
@@ -258,6 +269,8 @@ class PostgresTransaction:
         # Locks taken in a pipeline whose answer (what `lock_prefix` read) is not read
         # yet: it comes with the next statement whose answer is (`_settle`).
         self._unsettled: list[tuple[str, psycopg.Cursor[Any]]] = []
+        # Reads sent ahead of the command that reads them (`expect_add`), by what they ask.
+        self._ahead: dict[tuple[Any, ...], psycopg.Cursor[Any]] = {}
 
     def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
         """A statement that changes data: the transaction then has an id to look up
@@ -297,9 +310,34 @@ class PostgresTransaction:
 
     # -- items ------------------------------------------------------------------------
 
+    def expect_add(self, item: Item, result_since: int | None) -> None:
+        """A pipelined batch's ADD sends its reads together, with its lock: one round trip
+        for all of them, not one each (an idle ADD waited four times: its find, the path's
+        result, its INSERT's id, the batch's end). A read the ADD does not make (it joined
+        the item found) was for nothing. No id is reserved ahead (`nextval`): one an ADD
+        that joins does not take would leave a gap no other store leaves."""
+        if not self._pipelined:
+            return  # run guarded, each read waits for its answer as it comes
+        self.lock(item.prefix)
+        ahead, execute = self._ahead, self._c.execute
+        ahead["find", item.path] = execute(_FIND_BY_PATH, (item.prefix, item.key))
+        if item.external_id is not None:
+            ahead["external_id", item.external_id] = execute(
+                _EXTERNAL_ID_TAKEN, (item.external_id,)
+            )
+        if result_since is not None:
+            ahead["result", item.path, result_since] = execute(
+                _LATEST_RESULT_BY_PATH, (item.path, result_since)
+            )
+
+    def _read_ahead(self, *asked: Any) -> tuple[bool, tuple[Any, ...] | None]:
+        """(True, its row) when `asked` was sent ahead; (False, None) when it was not."""
+        cursor = self._ahead.pop(asked, None)
+        if cursor is None:
+            return False, None
+        return True, cursor.fetchone()
+
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
-        # Locking the row found gives the transaction its id (the row's locker): read with
-        # it, what a lost COMMIT is looked up by costs no statement (`_commit_in_pipeline`).
         columns = ITEM_COLUMNS + (", payload" if with_payload else "") + ", txid_current()"
         if isinstance(key, int):
             if self._locked:  # an item of a prefix this transaction holds: one statement
@@ -318,10 +356,14 @@ class PostgresTransaction:
         else:
             prefix, _, name = key.rpartition(":")
             self.lock(prefix)
-            row = self._one(
-                f"SELECT {columns} FROM items WHERE prefix = %s AND key = %s FOR UPDATE",
-                (prefix, name),
-            )
+            sent, row = (False, None) if with_payload else self._read_ahead("find", key)
+            if not sent:
+                query = (
+                    f"SELECT {columns} FROM items WHERE prefix = %s AND key = %s FOR UPDATE"
+                    if with_payload
+                    else _FIND_BY_PATH
+                )
+                row = self._one(query, (prefix, name))
         return None if row is None else self._found(row)
 
     def _found(self, row: tuple[Any, ...]) -> Item:
@@ -330,7 +372,10 @@ class PostgresTransaction:
         return item_from_row(row[:-1])
 
     def external_id_taken(self, external_id: str) -> bool:
-        return self._one("SELECT 1 FROM items WHERE external_id = %s", (external_id,)) is not None
+        sent, row = self._read_ahead("external_id", external_id)
+        if not sent:
+            row = self._one(_EXTERNAL_ID_TAKEN, (external_id,))
+        return row is not None
 
     def insert(self, item: Item) -> QueueId:
         self.lock(item.prefix)
@@ -508,13 +553,10 @@ class PostgresTransaction:
         )
 
     def latest_result_by_path(self, path: str, now: int) -> StoredResult | None:
-        return result_from_row(
-            self._one(
-                f"SELECT {RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
-                " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE",
-                (path, now),
-            )
-        )
+        sent, row = self._read_ahead("result", path, now)
+        if not sent:
+            row = self._one(_LATEST_RESULT_BY_PATH, (path, now))
+        return result_from_row(row)
 
     def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None:
         return result_from_row(

@@ -126,6 +126,9 @@ class SqliteTransaction:
 
     # -- items ------------------------------------------------------------------------
 
+    def expect_add(self, item: Item, result_since: int | None) -> None:
+        pass  # a read costs no round trip here
+
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
         columns = ITEM_COLUMNS + (", payload" if with_payload else "")
         if isinstance(key, int):

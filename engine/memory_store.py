@@ -42,6 +42,9 @@ class MemoryTransaction:
 
     # -- items ------------------------------------------------------------------------
 
+    def expect_add(self, item: Item, result_since: int | None) -> None:
+        pass
+
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
         queue_id = key if isinstance(key, int) else self._s.by_path.get(key)
         if queue_id is None:

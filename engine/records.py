@@ -104,6 +104,13 @@ class StoreTransaction(Protocol):
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None: ...
 
+    def expect_add(self, item: Item, result_since: int | None) -> None:
+        """An ADD of `item` comes next: what it may read (the item at its path, the path's
+        latest result at `result_since` if given, the owner of its external id) and the
+        id it would take may be asked for now, together. A store whose reads cost no
+        round trip ignores this; the reads themselves still come, in the usual order."""
+        ...
+
     def external_id_taken(self, external_id: str) -> bool: ...
 
     def insert(self, item: Item) -> QueueId:

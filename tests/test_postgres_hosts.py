@@ -812,6 +812,53 @@ def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
         store.close()
 
 
+def test_an_adds_reads_go_to_the_database_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a pipelined batch an ADD sends what it may read (the item at its path, the
+    owner of its external id, the path's unread result) with its lock, before it waits
+    for any answer: one wait for all three, one for its INSERT's id (four waits before).
+    An ADD that joins reads the same way; the answers are those of reads made one by one."""
+    import psycopg
+
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        first = store.add("p:a", "{}")
+        events = _recording(store, monkeypatch)
+        fetchone = psycopg.Cursor.fetchone
+
+        def answered(self: psycopg.Cursor[Any]) -> Any:
+            events.append("<answer>")
+            return fetchone(self)
+
+        monkeypatch.setattr(psycopg.Cursor, "fetchone", answered)
+        answers = store.batched(
+            lambda: [
+                store.add("p:b", "{}", external_id="e", if_no_result=True),
+                store.add("p:a", "{}", if_no_result=True),
+            ],
+            lambda _: None,
+        )
+        monkeypatch.undo()
+        assert answers[0].added and answers[0].pending == 2
+        assert not answers[1].added and answers[1].id == first.id
+        before_commit = events[: events.index("COMMIT")]
+        sent_first = before_commit[: before_commit.index("<answer>")]
+        for read in ("WHERE prefix = %s AND key = %s", "WHERE external_id", "FROM results"):
+            assert [s for s in sent_first if read in s], (read, sent_first)
+        # Waits: each run of answers read after statements were sent.
+        waits = sum(
+            1
+            for i, event in enumerate(before_commit)
+            if event == "<answer>" and before_commit[i - 1] != "<answer>"
+        )
+        assert waits == 3  # b's reads, b's INSERT, a's reads (it joined: no INSERT)
+        assert [row.id for row in store.pending("p")] == ["a", "b"]
+        assert store.add("p:c", "{}").pending == 3
+    finally:
+        store.close()
+
+
 async def test_a_store_is_not_woken_by_its_own_notify_but_by_another_hosts() -> None:
     """An ACK wakes its own store's waiters as it commits, with the result: the NOTIFY it
     also sends, back on that store's listener, is for the other hosts only (it would wake
