@@ -206,12 +206,11 @@ class QueueStore(OffLoop, ListingCommands, RetrieveNext):
     def _joined(self, tx: StoreTransaction, new: Item, if_no_result: bool) -> QueueId | None:
         """What an ADD of `new` joins instead of inserting: the item at its path, or with
         `if_no_result` the path's unread result; None when it inserts."""
-        now = self.clock.now_ms()
-        tx.expect_add(new, now if if_no_result else None)
+        tx.expect_add(new, since := self.clock.now_ms() if if_no_result else None)
         existing = self._find_for_add(tx, new)
         if existing is not None:
             return existing.id
-        return unread_result(tx, new, now) if if_no_result else None
+        return None if since is None else unread_result(tx, new, since)
 
     @staticmethod
     def _find_for_add(tx: StoreTransaction, new: Item) -> Item | None:
