@@ -93,6 +93,27 @@ _LATEST_RESULT_BY_PATH = (
     f"SELECT {RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
     " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE"
 )
+# The id of an ADD that will insert, taken with its reads (`expect_add`), so its INSERT
+# waits for no answer. Only then: `nextval` is not rolled back, and an id taken by an ADD
+# that joins would be a gap no other store leaves. Whether it inserts is the engine's
+# rule (`QueueStore._joined`) asked of the same rows: no item at the path, its external
+# id nobody's, and no unread result it may be served (`unread_result`). Otherwise NULL,
+# and the INSERT returns its id as it did before.
+_ID_IF_INSERTED = (
+    "SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM items WHERE prefix = %(prefix)s AND key = %(key)s)"
+    " AND (%(external_id)s::text IS NULL"
+    "  OR NOT EXISTS (SELECT 1 FROM items WHERE external_id = %(external_id)s))"
+    " AND (%(since)s::bigint IS NULL OR NOT COALESCE("
+    "  (SELECT NOT deleted AND (%(external_id)s::text IS NULL OR external_id IS NULL"
+    "    OR external_id = %(external_id)s)"
+    "   FROM results WHERE path = %(path)s AND expire > %(since)s AND NOT taken"
+    "   ORDER BY id DESC LIMIT 1), false))"
+    " THEN nextval(pg_get_serial_sequence('items', 'id')) END, txid_current()"
+)
+_INSERT_ITEM = (
+    "INSERT INTO items (prefix, key, status, priority, created, heartbeat, orphaned, extra,"
+    " process_id, exclusive, external_id, payload)"
+)
 
 
 def prefix_lock_key(schema: str, prefix: str) -> str:
@@ -311,11 +332,11 @@ class PostgresTransaction:
     # -- items ------------------------------------------------------------------------
 
     def expect_add(self, item: Item, result_since: int | None) -> None:
-        """A pipelined batch's ADD sends its reads together, with its lock: one round trip
-        for all of them, not one each (an idle ADD waited four times: its find, the path's
-        result, its INSERT's id, the batch's end). A read the ADD does not make (it joined
-        the item found) was for nothing. No id is reserved ahead (`nextval`): one an ADD
-        that joins does not take would leave a gap no other store leaves."""
+        """A pipelined batch's ADD sends its reads together, with its lock, and the id it
+        takes if it inserts (`_ID_IF_INSERTED`): one round trip for all of them, and its
+        INSERT waits for nothing (an idle ADD waited four times: its find, the path's
+        result, its INSERT's id, the batch's end; now twice). A read the ADD does not make
+        (it joined the item found) was for nothing."""
         if not self._pipelined:
             return  # run guarded, each read waits for its answer as it comes
         self.lock(item.prefix)
@@ -329,6 +350,16 @@ class PostgresTransaction:
             ahead["result", item.path, result_since] = execute(
                 _LATEST_RESULT_BY_PATH, (item.path, result_since)
             )
+        ahead["id", item.path] = execute(
+            _ID_IF_INSERTED,
+            {
+                "prefix": item.prefix,
+                "key": item.key,
+                "path": item.path,
+                "external_id": item.external_id,
+                "since": result_since,
+            },
+        )
 
     def _read_ahead(self, *asked: Any) -> tuple[bool, tuple[Any, ...] | None]:
         """(True, its row) when `asked` was sent ahead; (False, None) when it was not."""
@@ -388,28 +419,38 @@ class PostgresTransaction:
             else _NO_SAVEPOINT
         )
         self.wrote = True
+        values = (
+            item.prefix,
+            item.key,
+            STATUS_CODE[item.status],
+            item.priority,
+            item.created,
+            item.heartbeat,
+            item.orphaned,
+            item.extra,
+            item.process_id,
+            item.exclusive,
+            item.external_id,
+            item.payload,
+        )
+        _, row = self._read_ahead("id", item.path)
         try:
             with savepoint:
-                row = self._one(
-                    "INSERT INTO items (prefix, key, status, priority, created, heartbeat,"
-                    " orphaned, extra, process_id, exclusive, external_id, payload)"
-                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-                    " RETURNING id, txid_current()",
-                    (
-                        item.prefix,
-                        item.key,
-                        STATUS_CODE[item.status],
-                        item.priority,
-                        item.created,
-                        item.heartbeat,
-                        item.orphaned,
-                        item.extra,
-                        item.process_id,
-                        item.exclusive,
-                        item.external_id,
-                        item.payload,
-                    ),
-                )
+                if row is not None and row[0] is not None:
+                    # Its id taken with its reads: nothing to wait for. Refused (its external
+                    # id taken on another host meanwhile), the pipeline fails, and the batch
+                    # runs again guarded, where the INSERT below says so.
+                    self._c.execute(
+                        f"{_INSERT_ITEM[:-1]}, id) OVERRIDING SYSTEM VALUE"
+                        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                        (*values, row[0]),
+                    )
+                else:
+                    row = self._one(
+                        f"{_INSERT_ITEM} VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                        " RETURNING id, txid_current()",
+                        values,
+                    )
         except psycopg.errors.UniqueViolation as exc:
             # The path is locked by prefix, so only an external id of another prefix's
             # item, taken meanwhile on another host, gets here.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import threading
@@ -814,9 +815,10 @@ def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
 
 def test_an_adds_reads_go_to_the_database_together(monkeypatch: pytest.MonkeyPatch) -> None:
     """In a pipelined batch an ADD sends what it may read (the item at its path, the
-    owner of its external id, the path's unread result) with its lock, before it waits
-    for any answer: one wait for all three, one for its INSERT's id (four waits before).
-    An ADD that joins reads the same way; the answers are those of reads made one by one."""
+    owner of its external id, the path's unread result) and the id it takes if it
+    inserts with its lock, before it waits for any answer: one wait in all (four before:
+    each read, then its INSERT's id). An ADD that joins reads the same way; the answers
+    are those of reads made one by one."""
     import psycopg
 
     from tests.postgres_util import postgres_store
@@ -852,9 +854,48 @@ def test_an_adds_reads_go_to_the_database_together(monkeypatch: pytest.MonkeyPat
             for i, event in enumerate(before_commit)
             if event == "<answer>" and before_commit[i - 1] != "<answer>"
         )
-        assert waits == 3  # b's reads, b's INSERT, a's reads (it joined: no INSERT)
+        assert waits == 2  # b's reads (its INSERT waits for nothing), a's reads
         assert [row.id for row in store.pending("p")] == ["a", "b"]
         assert store.add("p:c", "{}").pending == 3
+    finally:
+        store.close()
+
+
+def test_an_add_takes_an_id_ahead_only_when_it_inserts() -> None:
+    """The id a pipelined ADD takes with its reads (`nextval`, never rolled back) is taken
+    only when the ADD inserts: joining an item, joining an unread result (its external id
+    matching or absent), or refused for an external id taken, it takes none, so the ids
+    are those the in-memory store gives, with no gaps."""
+    from queryqueue.engine.clock import ManualClock
+    from queryqueue.engine.memory_store import MemoryQueueStore
+    from tests.postgres_util import postgres_store
+
+    model = MemoryQueueStore(clock=ManualClock())
+    store = postgres_store(clock=model.clock)
+    script: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+        ("add", ("p:a", "{}"), {"external_id": "e1"}),
+        ("add", ("p:a", "{}"), {"if_no_result": True}),  # joins the item
+        ("ack", ("p:a", '"r1"'), {}),
+        ("add", ("p:a", "{}"), {"if_no_result": True, "external_id": "e2"}),  # not e1's result
+        ("ack", ("p:a", '"r2"'), {}),
+        ("add", ("p:a", "{}"), {"if_no_result": True}),  # joins the unread result
+        ("result", ("p:a",), {}),  # read by path: consumed
+        ("add", ("p:a", "{}"), {"if_no_result": True}),  # nothing unread: inserts
+        ("add", ("p:b", "{}"), {"external_id": "e3"}),
+        ("add", ("p:c", "{}"), {"external_id": "e3"}),  # refused
+        ("add_and_retrieve", ("p:d", "{}", 5), {"if_no_result": True}),
+        ("add", ("p:e", "{}"), {}),
+    ]
+    try:
+        for name, args, kwargs in script:
+            expected = answers_or_errors(functools.partial(getattr(model, name), *args, **kwargs))
+            command = functools.partial(getattr(store, name), *args, **kwargs)
+            got = store.batched(lambda c=command: answers_or_errors(c), lambda _: None)
+            if isinstance(expected[0], Exception):
+                assert type(got[0]) is type(expected[0]), (name, args, got)
+            else:
+                assert got == expected, (name, args, kwargs)
+        assert [row.id for row in store.pending("p")] == [row.id for row in model.pending("p")]
     finally:
         store.close()
 
