@@ -52,12 +52,14 @@ from queryqueue.engine.clock import Clock
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import ExternalIdConflictError, StoreError
 from queryqueue.engine.records import (
+    INSERTED_COLUMNS,
     ITEM_COLUMNS,
     RESULT_COLUMNS,
     STATUS_CODE,
     Item,
     PrefixOverview,
     StoredResult,
+    inserted_values,
     item_from_row,
     result_from_row,
 )
@@ -110,10 +112,7 @@ _ID_IF_INSERTED = (
     "   ORDER BY id DESC LIMIT 1), false))"
     " THEN nextval(pg_get_serial_sequence('items', 'id')) END, txid_current()"
 )
-_INSERT_ITEM = (
-    "INSERT INTO items (prefix, key, status, priority, created, heartbeat, orphaned, extra,"
-    " process_id, exclusive, external_id, payload)"
-)
+_INSERT_ITEM = f"INSERT INTO items ({INSERTED_COLUMNS})"
 
 
 def prefix_lock_key(schema: str, prefix: str) -> str:
@@ -419,20 +418,7 @@ class PostgresTransaction:
             else _NO_SAVEPOINT
         )
         self.wrote = True
-        values = (
-            item.prefix,
-            item.key,
-            STATUS_CODE[item.status],
-            item.priority,
-            item.created,
-            item.heartbeat,
-            item.orphaned,
-            item.extra,
-            item.process_id,
-            item.exclusive,
-            item.external_id,
-            item.payload,
-        )
+        values = inserted_values(item)
         _, row = self._read_ahead("id", item.path)
         try:
             with savepoint:

@@ -29,12 +29,14 @@ from queryqueue.engine.clock import Clock
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.records import (
+    INSERTED_COLUMNS,
     ITEM_COLUMNS,
     RESULT_COLUMNS,
     STATUS_CODE,
     Item,
     PrefixOverview,
     StoredResult,
+    inserted_values,
     item_from_row,
     result_from_row,
 )
@@ -146,23 +148,9 @@ class SqliteTransaction:
     def insert(self, item: Item) -> QueueId:
         self._write()
         row = self._one(
-            "INSERT INTO items (prefix, key, status, priority, created, heartbeat, orphaned, extra,"
-            " process_id, exclusive, external_id, payload)"
+            f"INSERT INTO items ({INSERTED_COLUMNS})"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-            (
-                item.prefix,
-                item.key,
-                STATUS_CODE[item.status],
-                item.priority,
-                item.created,
-                item.heartbeat,
-                item.orphaned,
-                item.extra,
-                item.process_id,
-                int(item.exclusive),
-                item.external_id,
-                item.payload,
-            ),
+            inserted_values(item),
         )
         assert row is not None
         if item.status == "pending":

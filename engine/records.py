@@ -57,6 +57,29 @@ ITEM_COLUMNS = (
 RESULT_COLUMNS = "id, path, value, deleted, expire, external_id, consumed_by"
 STATUS_CODE: dict[ItemStatus, int] = {"pending": 0, "active": 1}
 STATUS_NAME: dict[int, ItemStatus] = {0: "pending", 1: "active"}
+# What an INSERT of a new item writes (the store gives it its id), as `inserted_values`.
+INSERTED_COLUMNS = (
+    "prefix, key, status, priority, created, heartbeat, orphaned, extra, process_id,"
+    " exclusive, external_id, payload"
+)
+
+
+def inserted_values(item: Item) -> tuple[Any, ...]:
+    """`item`'s INSERTED_COLUMNS, its status as stored."""
+    return (
+        item.prefix,
+        item.key,
+        STATUS_CODE[item.status],
+        item.priority,
+        item.created,
+        item.heartbeat,
+        item.orphaned,
+        item.extra,
+        item.process_id,
+        item.exclusive,
+        item.external_id,
+        item.payload,
+    )
 
 
 def item_from_row(row: Sequence[Any]) -> Item:
