@@ -137,8 +137,12 @@ class Executor:
                 await self._cancel_timed_out(execution, context)
         finally:
             execution.finished = True
+            # Not waited for: cancelled at a sleep it sends nothing more, and one in flight
+            # went out before the ACK either way (waiting cost the ACK two loop turns).
             heartbeat.cancel()
-            await asyncio.gather(heartbeat, *execution.side_tasks, return_exceptions=True)
+            heartbeat.add_done_callback(_quietly)
+            if execution.side_tasks:
+                await asyncio.gather(*execution.side_tasks, return_exceptions=True)
         return result
 
     async def _cancel_timed_out(self, execution: _Execution, context: dict[str, Any]) -> None:
@@ -399,3 +403,10 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def _quietly(task: asyncio.Task[Any]) -> None:
+    """A task nobody awaits: its outcome is read (and dropped, as gather's
+    return_exceptions did), so Python does not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()

@@ -961,6 +961,48 @@ async def test_the_heartbeat_is_stepped_by_the_injected_clock(rec: Recorder) -> 
         await queue.close(grace=0)
 
 
+async def test_the_ack_does_not_wait_for_a_heartbeat_still_in_flight(rec: Recorder) -> None:
+    """The handler is done while a heartbeat's round trip is still out (a slow store):
+    its ACK goes at once. The heartbeat is cancelled, not waited for: at a sleep it sends
+    nothing more, and one in flight went out before the ACK either way."""
+    clock = ManualClock()
+    store = MemoryQueueStore(clock=clock)
+    answered = asyncio.Event()
+    beats: list[Any] = []
+
+    class SlowBeats(LocalQueueDriver):
+        async def heartbeat(self, key: Any) -> bool:
+            beats.append(key)
+            try:
+                await answered.wait()
+            except asyncio.CancelledError:
+                await answered.wait()  # its answer is read before it stops
+                raise
+            return await super().heartbeat(key)
+
+    queue = QueryQueue(
+        "hb",
+        query_handlers={"sql": rec.gated},
+        driver=SlowBeats(store),
+        clock=clock,
+        heartbeat_interval=10.0,
+    )
+    caller = asyncio.create_task(queue.execute_in_queue("sql", "q", "q"))
+    try:
+        await wait_until(lambda: rec.running == 1 and clock.sleepers == 1)
+        clock.advance(10_000)
+        await wait_until(lambda: beats, what="a heartbeat in flight")
+        rec.gate.set()
+        # Answered while the heartbeat still waits for its round trip.
+        assert await asyncio.wait_for(caller, 10) == {"echo": "q"}
+        assert store.active("hb") == [] and not answered.is_set()
+    finally:
+        answered.set()
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        await queue.close(grace=0)
+
+
 class _FlakyAcks(LocalQueueDriver):
     """A store that is away for the first `failures` ACKs (a database restarting)."""
 
