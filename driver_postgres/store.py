@@ -112,7 +112,14 @@ _ID_IF_INSERTED = (
     "   ORDER BY id DESC LIMIT 1), false))"
     " THEN nextval(pg_get_serial_sequence('items', 'id')) END, txid_current()"
 )
-_INSERT_ITEM = f"INSERT INTO items ({INSERTED_COLUMNS})"
+_INSERT_ITEM = (
+    f"INSERT INTO items ({INSERTED_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
+    " %s, %s) RETURNING id, txid_current()"
+)
+_INSERT_ITEM_WITH_ID = (
+    f"INSERT INTO items ({INSERTED_COLUMNS}, id) OVERRIDING SYSTEM VALUE VALUES (%s, %s, %s,"
+    " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
 
 
 def prefix_lock_key(schema: str, prefix: str) -> str:
@@ -426,17 +433,9 @@ class PostgresTransaction:
                     # Its id taken with its reads: nothing to wait for. Refused (its external
                     # id taken on another host meanwhile), the pipeline fails, and the batch
                     # runs again guarded, where the INSERT below says so.
-                    self._c.execute(
-                        f"{_INSERT_ITEM[:-1]}, id) OVERRIDING SYSTEM VALUE"
-                        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                        (*values, row[0]),
-                    )
+                    self._c.execute(_INSERT_ITEM_WITH_ID, (*values, row[0]))
                 else:
-                    row = self._one(
-                        f"{_INSERT_ITEM} VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-                        " RETURNING id, txid_current()",
-                        values,
-                    )
+                    row = self._one(_INSERT_ITEM, values)
         except psycopg.errors.UniqueViolation as exc:
             # The path is locked by prefix, so only an external id of another prefix's
             # item, taken meanwhile on another host, gets here.

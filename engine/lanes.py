@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from queryqueue.engine.threads import settle
+
 T = TypeVar("T")
 
 
@@ -129,13 +131,7 @@ def _settle(
     # Counted down when the call has ended on its thread, not when the caller stops
     # waiting (a cancelled caller): until then the lane is still busy with it.
     finished(*where)
-    if future.cancelled():
-        return
-    value, error = outcome
-    if error is None:
-        future.set_result(value)
-    else:
-        future.set_exception(error)
+    settle(future, *outcome)
 
 
 def route_of(args: tuple[Any, ...]) -> str | None:

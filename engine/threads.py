@@ -69,7 +69,7 @@ class HandlerThreads:
             except BaseException as exc:  # delivered to the awaiting task, as to_thread does
                 outcome = (None, exc)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(_settle, future, *outcome)
+                loop.call_soon_threadsafe(settle, future, *outcome)
             del work, loop, future, context, call, outcome  # nothing kept alive while idle
             with self._lock:
                 if self._closed:
@@ -77,7 +77,8 @@ class HandlerThreads:
                 self._idle += 1
 
 
-def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+def settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    """A call's outcome, made on another thread, into its future (on the future's loop)."""
     if future.done():  # cancelled meanwhile
         return
     if error is None:
