@@ -41,6 +41,7 @@ from queryqueue.engine.validation import check_key, check_prefix, check_process_
 from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results, guard, loops, sqltext
 from queryqueue.supervisor.deadlines import Deadlines
+from queryqueue.supervisor.frames import FrameReader
 from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
@@ -50,7 +51,6 @@ from queryqueue.supervisor.protocol import (
     encode_body,
     encode_frame,
     error_payload,
-    read_frame,
 )
 from queryqueue.supervisor.shm import SegmentPool, name_prefix, parse_reference
 
@@ -58,6 +58,9 @@ _log = logging.getLogger("queryqueue.server")
 
 # The QUEUE commands a client may call, as the store declares them.
 COMMANDS = served()
+
+# How long a stopping supervisor lets its clients take their last answers.
+_HANG_UP_S = 10.0
 # The commands whose answer tells their prefix's pending count once they ran.
 _REPORT_PENDING = frozenset({"add", "add_and_retrieve", "retrieve"})
 # How long an ADD may wait for the batch of the ACK that frees its slot (_may_hold).
@@ -137,7 +140,7 @@ class Limits:
 
 @dataclass(eq=False)
 class _Connection:
-    writer: asyncio.StreamWriter
+    reader: FrameReader
     limits: Limits = field(default_factory=Limits)
     # Unix-socket peers passed the socket's permissions; a TCP peer must send the token.
     authenticated: bool = True
@@ -153,22 +156,30 @@ class _Connection:
     watching: set[str] = field(default_factory=set)
     in_flight: int = 0
     polls_queued: int = 0  # long polls in the inbox, not yet parked (counted to the limit)
-    answered: asyncio.Event = field(default_factory=asyncio.Event)
+    throttled: bool = False  # not read until its client catches up
     # ADD answers held for their long poll's (`defer`), by id() of the ADD's request.
     deferred: dict[int, bytes] = field(default_factory=dict)
     deferred_timer: asyncio.TimerHandle | None = None
 
+    @property
+    def transport(self) -> asyncio.Transport:
+        assert self.reader.transport is not None  # set before a connection is made
+        return self.reader.transport
+
+    def gone(self) -> bool:
+        return self.closed or self.transport.is_closing()
+
     def buffered(self) -> int:
-        return self.writer.transport.get_write_buffer_size() + sum(map(len, self.outbox))
+        return self.transport.get_write_buffer_size() + sum(map(len, self.outbox))
 
     def send(self, message: dict[str, Any]) -> None:
-        if self.closed or self.writer.is_closing():
+        if self.gone():
             return
         self._queue(_frame_of(message))
 
     def send_answer(self, request_id: Any, encoded: bytes) -> None:
         """`{"id": request_id, "ok": <encoded>}`, its answer already JSON."""
-        if self.closed or self.writer.is_closing():
+        if self.gone():
             return
         self._queue(answer_frame(request_id, encoded))
 
@@ -181,7 +192,7 @@ class _Connection:
         """The answer of an ADD whose pipelined long poll has parked: its caller waits for
         the result, not for this. It leaves with that poll's answer (one wake-up of the
         caller, not two), or at most `delay` later, whichever comes first."""
-        if self.closed or self.writer.is_closing():
+        if self.gone():
             return
         self.deferred[id(add)] = _frame_of(message)
         if self.deferred_timer is None:
@@ -203,13 +214,58 @@ class _Connection:
 
     def flush(self) -> None:
         frames, self.outbox = self.outbox, []
-        self.answered.set()
-        if frames and not self.closed and not self.writer.is_closing():
-            self.writer.write(b"".join(frames))
-            if self.writer.transport.get_write_buffer_size() > self.limits.hard_limit:
+        if frames and not self.gone():
+            transport = self.transport
+            transport.write(b"".join(frames))
+            if transport.get_write_buffer_size() > self.limits.hard_limit:
                 # Its client reads nothing of what it asked for: cut it off, and free it all.
                 self.closed = True
-                self.writer.transport.abort()
+                transport.abort()
+                return
+        if self.throttled:
+            self.reader.resume()
+
+
+class _Client:
+    """A connection's frames, to the server (frames.FrameSink)."""
+
+    def __init__(self, server: QueueServer, authenticated: bool) -> None:
+        self.server = server
+        self.authenticated = authenticated
+        self.connection: _Connection | None = None
+
+    def opened(self, reader: FrameReader) -> None:
+        server = self.server
+        self.connection = _Connection(reader, server.limits, authenticated=self.authenticated)
+        server._opened(self.connection)
+
+    def received(self, body: bytes) -> None:
+        connection = self.connection
+        assert connection is not None
+        if self.server._stopping or connection.closed:
+            connection.reader.close()
+            return
+        self.server._accept(connection, body)
+        if connection.hang_up:
+            connection.reader.close()
+
+    def held_back(self) -> bool:
+        assert self.connection is not None
+        return self.server._held_back(self.connection)
+
+    def refused(self, error: FrameError) -> None:
+        # The stream cannot be resynchronized: say why, then hang up on this client.
+        assert self.connection is not None
+        self.connection.send({"id": None, "error": error_payload(error)})
+
+    def ending(self) -> None:
+        assert self.connection is not None
+        self.connection.release_deferred()
+        self.connection.flush()  # what was answered before the hang-up still leaves
+
+    def lost(self) -> None:
+        if self.connection is not None:
+            self.server._lost(self.connection)
 
 
 def _frame_of(message: dict[str, Any]) -> bytes:
@@ -423,17 +479,22 @@ class QueueServer:
         self._sweeper = asyncio.ensure_future(self._sweep_forever())
 
     async def _listen(self) -> None:
+        loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # the socket is born 0600: no window with wider access
         try:
             self._servers.append(
-                await asyncio.start_unix_server(self._serve, path=str(self.socket_path))
+                await loop.create_unix_server(
+                    lambda: self._reader(authenticated=True), path=str(self.socket_path)
+                )
             )
         finally:
             os.umask(old_umask)
         self._socket_identity = guard.socket_identity(self.socket_path)
         if self.tcp_host is not None:
             self._servers.append(
-                await asyncio.start_server(self._serve_tcp, self.tcp_host, self.tcp_port or 0)
+                await loop.create_server(
+                    lambda: self._reader(authenticated=False), self.tcp_host, self.tcp_port or 0
+                )
             )
 
     async def _sweep_forever(self) -> None:
@@ -478,11 +539,14 @@ class QueueServer:
                 background.cancel()
                 await asyncio.gather(background, return_exceptions=True)
         await asyncio.gather(*self._lanes_busy, return_exceptions=True)
-        for connection in list(self._connections):
-            connection.flush()
-            with contextlib.suppress(Exception):
-                await connection.writer.drain()
-            connection.writer.close()
+        readers = [connection.reader for connection in self._connections]
+        for reader in readers:
+            reader.close()  # after what it was answered has been written
+        if readers:
+            await asyncio.wait([reader.closed for reader in readers], timeout=_HANG_UP_S)
+        for reader in readers:
+            if reader.transport is not None and not reader.closed.done():
+                reader.transport.abort()  # a client that reads nothing of it
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
@@ -501,70 +565,34 @@ class QueueServer:
 
     # -- connections ----------------------------------------------------------------------------
 
-    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._serve(reader, writer, authenticated=False)
+    def _reader(self, *, authenticated: bool) -> FrameReader:
+        return FrameReader(
+            _Client(self, authenticated), self.max_frame, high_water=self.limits.high_water
+        )
 
-    async def _serve(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        *,
-        authenticated: bool = True,
-    ) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
-        connection = _Connection(writer, self.limits, authenticated=authenticated)
-        writer.transport.set_write_buffer_limits(high=self.limits.high_water)
+    def _opened(self, connection: _Connection) -> None:
         self._connections.add(connection)
-        try:
-            while not self._stopping:
-                await self._throttle(connection)
-                if connection.closed:
-                    break
-                try:
-                    body = await read_frame(reader, self.max_frame)
-                except FrameError as exc:
-                    # The stream cannot be resynchronized: say why, then hang up on this client.
-                    connection.send({"id": None, "error": error_payload(exc)})
-                    break
-                if body is None:
-                    break
-                self._accept(connection, body)
-                if connection.hang_up:
-                    break
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            connection.release_deferred()
-            connection.flush()  # what was answered before the hang-up still leaves
-            connection.closed = True
-            for parked in list(connection.parked):
-                parked.cancel()
-            self._connections.discard(connection)
-            self.segments.drop_owner(connection)
-            with contextlib.suppress(Exception):
-                writer.close()
-            if task is not None:
-                self._handlers.discard(task)
 
-    async def _throttle(self, connection: _Connection) -> None:
+    def _held_back(self, connection: _Connection) -> bool:
         """Read no more from a client while its unsent answers pass the high-water mark
         or too many of its requests wait for theirs."""
         limits = connection.limits
-        throttled = False
-        while not connection.closed and (
-            connection.buffered() > limits.high_water
-            or connection.in_flight >= limits.max_in_flight
-        ):
-            if not throttled:
-                throttled = True
-                self.stats.throttled += 1
-            if connection.writer.transport.get_write_buffer_size() > limits.high_water:
-                await connection.writer.drain()
-            else:
-                connection.answered.clear()
-                await connection.answered.wait()
+        held = not connection.closed and (
+            connection.in_flight >= limits.max_in_flight
+            or connection.reader.writing_paused
+            or connection.buffered() > limits.high_water
+        )
+        if held and not connection.throttled:
+            self.stats.throttled += 1
+        connection.throttled = held
+        return held
+
+    def _lost(self, connection: _Connection) -> None:
+        connection.closed = True
+        for parked in list(connection.parked):
+            parked.cancel()
+        self._connections.discard(connection)
+        self.segments.drop_owner(connection)
 
     def _accept(self, connection: _Connection, body: bytes) -> None:
         request_id: Any = None
