@@ -46,6 +46,7 @@ from queryqueue.engine.responses import (
 )
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.supervisor.deadlines import Deadlines
+from queryqueue.supervisor.frames import FrameReader
 from queryqueue.supervisor.paths import default_socket_path
 from queryqueue.supervisor.protocol import (
     DECODERS,
@@ -53,7 +54,6 @@ from queryqueue.supervisor.protocol import (
     FrameError,
     encode_frame,
     raise_error,
-    read_frame,
 )
 from queryqueue.supervisor.shm import (
     DEFAULT_THRESHOLD,
@@ -66,6 +66,10 @@ from queryqueue.supervisor.shm import (
 _log = logging.getLogger("queryqueue.client")
 # Room in a frame for an ACK's envelope around its result (id, command, key, quoting).
 _FRAME_OVERHEAD = 4096
+# Requests are small and never wait for the socket: asyncio's default mark.
+_WRITE_HIGH_WATER = 64 * 1024
+# How long closing a driver waits for its connection to end.
+_HANG_UP_S = 5.0
 
 COMMANDS = served()
 # Supervisor commands (not the store's) that are safe to send twice.
@@ -97,20 +101,19 @@ def _retry_safe(method: str, args: list[Any], kwargs: dict[str, Any]) -> bool:
 
 
 class _Link:
-    """One connection, owned by one process and one event loop."""
+    """One connection, owned by one process and one event loop. Its answers are taken as
+    they arrive (frames.FrameReader calls `received`): a caller's future is settled in the
+    loop turn that read its answer, with no reader task woken in between."""
 
     def __init__(
         self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
         max_frame: int,
         on_nudge: Callable[[str], None] = lambda prefix: None,
     ) -> None:
-        self.reader = reader
-        self.writer = writer
         self.on_nudge = on_nudge
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.task = asyncio.ensure_future(self._read(max_frame))
+        self.reader = FrameReader(self, max_frame, high_water=_WRITE_HIGH_WATER)
+        self.transport: asyncio.Transport | None = None
         self.alive = True
         self.outbox: list[bytes] = []
         # Every request's deadline in one heap, behind one timer (not a timer and an
@@ -128,30 +131,45 @@ class _Link:
         if future is not None and not future.done():
             future.set_exception(_Overdue())
 
-    async def _read(self, max_frame: int) -> None:
+    # -- frames.FrameSink --------------------------------------------------------------------
+
+    def opened(self, reader: FrameReader) -> None:
+        self.transport = reader.transport
+
+    def received(self, body: bytes) -> None:
         try:
-            while True:
-                body = await read_frame(self.reader, max_frame)
-                if body is None:
-                    break
-                reply = orjson.loads(body)
-                if isinstance(reply, dict) and isinstance(reply.get("nudge"), str):
-                    self.on_nudge(reply["nudge"])  # unsolicited: a slot of a watched prefix
-                    continue
-                reply_id = reply.get("id") if isinstance(reply, dict) else None
-                future = self.pending.pop(reply_id, None) if isinstance(reply_id, int) else None
-                if future is not None and not future.done():
-                    future.set_result(reply)
-        except (ConnectionError, FrameError, ValueError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            self.alive = False
-            for future in self.pending.values():
-                if not future.done():
-                    future.set_exception(_ConnectionLost())
-            self.pending.clear()
-            with contextlib.suppress(Exception):
-                self.writer.close()
+            reply = orjson.loads(body)
+        except ValueError:
+            self.close()  # not an answer of ours: nothing after it can be trusted
+            return
+        if isinstance(reply, dict) and isinstance(reply.get("nudge"), str):
+            self.on_nudge(reply["nudge"])  # unsolicited: a slot of a watched prefix
+            return
+        reply_id = reply.get("id") if isinstance(reply, dict) else None
+        future = self.pending.pop(reply_id, None) if isinstance(reply_id, int) else None
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    def held_back(self) -> bool:
+        return False
+
+    def refused(self, error: FrameError) -> None:
+        pass  # the reader hangs up; what was pending fails as the connection ends
+
+    def ending(self) -> None:
+        self._fail_pending()
+
+    def lost(self) -> None:
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        self.alive = False
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(_ConnectionLost())
+
+    # -- sending -----------------------------------------------------------------------------
 
     def send(self, frame: bytes) -> None:
         # Requests made in one loop iteration leave in one write (one syscall).
@@ -161,19 +179,17 @@ class _Link:
 
     def _flush(self) -> None:
         frames, self.outbox = self.outbox, []
-        if not frames or not self.alive:
+        if not frames or not self.alive or self.transport is None:
             return
         try:
-            self.writer.write(b"".join(frames))
+            self.transport.write(b"".join(frames))
         except (ConnectionError, RuntimeError):
-            self.close()  # the reader fails what was pending
+            self.close()
 
     def close(self) -> None:
-        self.alive = False
         self._deadlines.close()
-        self.task.cancel()
-        with contextlib.suppress(Exception):
-            self.writer.close()
+        self._fail_pending()
+        self.reader.close()
 
 
 class SocketQueueDriver:
@@ -255,9 +271,9 @@ class SocketQueueDriver:
         hello = {} if self.process_id is None else {"process_id": self.process_id}
         while True:
             try:
-                reader, writer = await self._open()
-                link = _Link(reader, writer, self.max_frame, self._nudged)
+                link = _Link(self.max_frame, self._nudged)
                 try:
+                    await self._open(link)
                     if self.tcp_address is not None:
                         await self._authenticate(link)
                     reply = await self._exchange(
@@ -266,6 +282,9 @@ class SocketQueueDriver:
                 except _ConnectionLost:  # it went away right after accepting: try again
                     link.close()
                     raise ConnectionResetError("the supervisor hung up during hello") from None
+                except BaseException:
+                    link.close()  # no task of its own ends it with the loop: close it here
+                    raise
                 break
             except OSError as exc:
                 if loop.time() + delay > deadline:
@@ -291,11 +310,13 @@ class SocketQueueDriver:
         host, _, port = text.split("/")[-1].rpartition(":")
         return host, int(port)
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(self, link: _Link) -> None:
+        loop = asyncio.get_running_loop()
         address = self.tcp_address
         if address is None:
-            return await asyncio.open_unix_connection(str(self.socket_path))
-        return await asyncio.open_connection(*address)
+            await loop.create_unix_connection(lambda: link.reader, str(self.socket_path))
+        else:
+            await loop.create_connection(lambda: link.reader, *address)
 
     async def _authenticate(self, link: _Link) -> None:
         if not self.auth_token:
@@ -414,7 +435,7 @@ class SocketQueueDriver:
         if self._link is not None and self._owner is not None and self._owner[0] == os.getpid():
             self._link.close()
             with contextlib.suppress(BaseException):
-                await self._link.task
+                await asyncio.wait_for(self._link.reader.closed, _HANG_UP_S)
         self._link = None
         self._segments.close()
 

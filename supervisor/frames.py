@@ -61,6 +61,8 @@ class FrameReader(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(high=self.high_water)
         self.sink.opened(self)
+        if self._closing:  # closed while it was connecting
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self._done:
