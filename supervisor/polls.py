@@ -55,8 +55,19 @@ class ParkedPoll:
 
     def _end(self, ok: bool, answer: Any, event: AckEvent | None) -> None:
         self.done = True
-        self._store.waiters.unsubscribe(self._waiter)
-        self._finish(ok, answer, event)
+        waiter = self._waiter
+        self._store.waiters.unsubscribe(waiter)
+        # A poll that timed out lets go of its waiter's future, which would hold it (a
+        # woken one's has let go of its callbacks already); and of `finish`: a closure that holds this poll, a cycle (with the request,
+        # its waiter and the ACK's event) that only the cyclic GC would free otherwise,
+        # ~10 objects a query for its full collections to find under load.
+        waiter.future.remove_done_callback(self._woken)
+        finish, self._finish = self._finish, _answered
+        finish(ok, answer, event)
+
+
+def _answered(ok: bool, answer: Any, event: AckEvent | None) -> None:
+    """The `finish` of a poll already answered: nothing is sent twice."""
 
 
 def parked_deadlines(loop: asyncio.AbstractEventLoop) -> Deadlines[ParkedPoll]:

@@ -191,5 +191,6 @@ def run(
     db: str | Path, socket_path: str | Path, *, event_loop: LoopChoice = "auto", **options: Any
 ) -> int:
     """Serve on the chosen event loop; the pool's workers run on the same kind."""
+    loops.settle_collector()  # this process is the supervisor: it owns its collector
     loops.run(serve(db, socket_path, event_loop=event_loop, **options), event_loop)
     return 0

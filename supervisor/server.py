@@ -909,6 +909,7 @@ class QueueServer:
             "long_polls": sum(len(c.parked) for c in self._connections),
             "pid": os.getpid(),
             "event_loop": loops.running_name(),
+            "collector": loops.collector_state(),
             "files": _file_sizes(getattr(self.store, "path", None)),
             **({"wal": checkpoints.describe()} if checkpoints is not None else {}),
         }

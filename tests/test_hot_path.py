@@ -4,6 +4,7 @@ that ends where an idle pool gets work, no pool listing when nothing is pending.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from queryqueue.supervisor import protocol
 from queryqueue.supervisor import server as server_module
 from queryqueue.supervisor.client import SocketQueueDriver
 from queryqueue.supervisor.deadlines import Deadlines
+from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
 from tests.waiting import wait_until
@@ -137,6 +139,51 @@ async def test_an_ack_answers_every_poll_it_wakes_with_one_encoding(
     assert [orjson.loads(a.payload or "null") for a in answers if a] == [{"rows": [1, 2, 3]}] * 12
     assert all(a is not None and a.id == added.id for a in answers)
     assert len(encoded) == 1
+
+
+def _park(
+    store: MemoryQueueStore, key: int, deadlines: Deadlines[Any], answered: list[bool]
+) -> None:
+    """A poll parked as the server parks one: its `finish` is a closure that holds it."""
+
+    def finish(ok: bool, answer: Any, event: Any) -> None:
+        answered.append(poll.done)
+
+    poll = ParkedPoll(store, key, 30_000, store.waiters.subscribe(key), finish, deadlines)
+
+
+@pytest.mark.parametrize("ending", ["woken by its ACK", "timed out"])
+async def test_an_answered_long_poll_leaves_no_reference_cycle(ending: str) -> None:
+    """Once answered, a parked poll is freed by its reference count: under load a cycle
+    per poll (the poll, the closure that answers it, its waiter's future) left ~10
+    objects a query for the collector's full passes to find."""
+    store, clock, answered = MemoryQueueStore(), _Clock(), list[bool]()
+    deadlines: Deadlines[ParkedPoll] | None = Deadlines(
+        clock,  # type: ignore[arg-type]
+        expire=ParkedPoll.cancel,
+        live=lambda poll: not poll.done,
+    )
+    added = store.add("p:k", "{}")
+    assert deadlines is not None
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds unreachable is kept to look at
+    try:
+        _park(store, added.id, deadlines, answered)
+        if ending == "timed out":
+            clock.advance_to(clock.now + 31)
+        else:
+            assert store.ack(added.id, '{"rows": [1]}').success
+            await wait_until(lambda: answered, what="the poll answered")
+        assert answered == [True] and store.waiters.count() == 0
+        deadlines.close()  # its timer and its heap held the poll until now
+        deadlines = None
+        clock.timers.clear()
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, ParkedPoll)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert cyclic == []
 
 
 @pytest.fixture
