@@ -121,6 +121,17 @@ class _Link:
         self._deadlines: Deadlines[int] = Deadlines(
             asyncio.get_running_loop(), expire=self._overdue, live=self.pending.__contains__
         )
+        self._keeper = asyncio.ensure_future(self._close_with_the_loop())
+
+    async def _close_with_the_loop(self) -> None:
+        """Idle until the connection ends; cancelled with the loop's other tasks when the
+        loop ends first (asyncio.run), it hangs up rather than leave its transport to warn
+        as it is collected, as a driver its owner never closed would."""
+        try:
+            await asyncio.shield(self.reader.closed)
+        finally:
+            if not self.reader.closed.done():
+                self.close()
 
     def answer_within(self, request_id: int, seconds: float) -> None:
         """Fail the request with _Overdue if it is not answered within `seconds`."""

@@ -115,7 +115,10 @@ class FrameReader(asyncio.Protocol):
             return
         self._done = self._closing = True
         self.sink.ending()
-        if self.transport is not None and not self.transport.is_closing():
+        if self.transport is None:
+            if not self.closed.done():  # it never connected: nothing will end
+                self.closed.set_result(None)
+        elif not self.transport.is_closing():
             self.transport.close()
 
     def _finish(self) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from pathlib import Path
 
 import pytest
 
+from queryqueue.supervisor.client import SocketQueueDriver
 from queryqueue.supervisor.frames import FrameReader
 from queryqueue.supervisor.protocol import FrameError
+from tests.supervisor_util import start_supervisor
 
 
 def frame(body: bytes) -> bytes:
@@ -167,3 +170,22 @@ async def test_losing_the_connection_tells_the_sink_and_settles_closed() -> None
     await asyncio.wait_for(reader.closed, 1)
     reader.data_received(frame(b"late"))
     assert sink.bodies == [] and sink.events == ["opened", "lost"]
+
+
+def test_a_driver_never_closed_hangs_up_as_its_loop_ends(workdir: Path) -> None:
+    """Its link has no reader task for asyncio.run to cancel: its keeper hangs up, so no
+    transport is left open to warn as it is collected."""
+    supervisor = start_supervisor(workdir / "queue.db", workdir / "s.sock")
+    try:
+
+        async def use() -> SocketQueueDriver:
+            driver = SocketQueueDriver(supervisor.socket_path)
+            assert await driver.ping() == "pong"
+            return driver  # and never closed
+
+        driver = asyncio.run(use())
+        link = driver._link
+        assert link is not None and link.transport is not None
+        assert link.transport.is_closing() and not link.alive
+    finally:
+        assert supervisor.stop() == 0
