@@ -66,8 +66,6 @@ from queryqueue.supervisor.shm import (
 _log = logging.getLogger("queryqueue.client")
 # Room in a frame for an ACK's envelope around its result (id, command, key, quoting).
 _FRAME_OVERHEAD = 4096
-# Requests are small and never wait for the socket: asyncio's default mark.
-_WRITE_HIGH_WATER = 64 * 1024
 # How long closing a driver waits for its connection to end.
 _HANG_UP_S = 5.0
 
@@ -112,7 +110,7 @@ class _Link:
     ) -> None:
         self.on_nudge = on_nudge
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.reader = FrameReader(self, max_frame, high_water=_WRITE_HIGH_WATER)
+        self.reader = FrameReader(self, max_frame)
         self.transport: asyncio.Transport | None = None
         self.alive = True
         self.outbox: list[bytes] = []
@@ -199,8 +197,7 @@ class _Link:
 
     def close(self) -> None:
         self._deadlines.close()
-        self._fail_pending()
-        self.reader.close()
+        self.reader.close()  # `ending` fails what is pending, as an end of stream does
 
 
 class SocketQueueDriver:

@@ -1,4 +1,4 @@
-"""The supervisor's side of a client connection: frames cut from the bytes as they arrive.
+"""Either side of a connection to the supervisor: frames cut from the bytes as they arrive.
 
 A reader task per connection (StreamReader.readexactly, twice a frame) woke a task and
 resolved a future for every burst a client sent: a caller's ADD with its long poll, a
@@ -6,6 +6,7 @@ worker's ACK, each a loop turn more in the supervisor before the frame reached i
 Here `data_received` cuts every complete frame out of what arrived and hands it on in the
 same turn. Reading pauses (the transport stops reading the socket, the kernel's buffer
 fills, the client's writes block) while its owner says the client must wait (`held_back`).
+The client driver's links read their answers the same way (a sink that never holds back).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol, cast
 
-from queryqueue.supervisor.protocol import HEADER, FrameError
+from queryqueue.supervisor.protocol import HEADER, FrameError, cut_short, over_limit
 
 
 class FrameSink(Protocol):
@@ -41,7 +42,7 @@ class FrameSink(Protocol):
 
 
 class FrameReader(asyncio.Protocol):
-    def __init__(self, sink: FrameSink, max_frame: int, *, high_water: int) -> None:
+    def __init__(self, sink: FrameSink, max_frame: int, *, high_water: int | None = None) -> None:
         self.sink = sink
         self.max_frame = max_frame
         self.high_water = high_water
@@ -59,7 +60,8 @@ class FrameReader(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports have asyncio.Transport's methods, not its class.
         self.transport = cast(asyncio.Transport, transport)
-        self.transport.set_write_buffer_limits(high=self.high_water)
+        if self.high_water is not None:  # else the transport's own
+            self.transport.set_write_buffer_limits(high=self.high_water)
         self.sink.opened(self)
         if self._closing:  # closed while it was connecting
             self.transport.close()
@@ -126,7 +128,7 @@ class FrameReader(asyncio.Protocol):
         if self._closing or not self._reading:
             return
         if self._buffer:
-            self._refuse(self._cut_short())
+            self._refuse(cut_short(self._buffer))
         else:
             self.close()
 
@@ -147,9 +149,7 @@ class FrameReader(asyncio.Protocol):
                 break
             (size,) = HEADER.unpack_from(data, at)
             if size > self.max_frame:
-                self._refuse(
-                    FrameError(f"frame of {size} bytes is over the limit of {self.max_frame} bytes")
-                )
+                self._refuse(over_limit(size, self.max_frame))
                 break
             end = at + HEADER.size + size
             if end > end_of_data:
@@ -169,10 +169,3 @@ class FrameReader(asyncio.Protocol):
         self._buffer.clear()
         self.sink.refused(error)
         self.close()
-
-    def _cut_short(self) -> FrameError:
-        if len(self._buffer) < HEADER.size:
-            return FrameError(f"truncated frame header ({len(self._buffer)} of 4 bytes)")
-        (size,) = HEADER.unpack_from(self._buffer)
-        got = len(self._buffer) - HEADER.size
-        return FrameError(f"truncated frame: {got} of {size} bytes")

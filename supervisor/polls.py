@@ -57,10 +57,10 @@ class ParkedPoll:
         self.done = True
         waiter = self._waiter
         self._store.waiters.unsubscribe(waiter)
-        # A poll that timed out lets go of its waiter's future, which would hold it (a
-        # woken one's has let go of its callbacks already); and of `finish`: a closure that holds this poll, a cycle (with the request,
-        # its waiter and the ACK's event) that only the cyclic GC would free otherwise,
-        # ~10 objects a query for its full collections to find under load.
+        # Let go of what holds this poll in a cycle (with its request, its waiter and the
+        # ACK's event) that only the cyclic GC would free, ~10 objects a query under load:
+        # its waiter's future's callback (a poll that timed out; a woken one's future has
+        # let go of it already), and `finish`, a closure that holds the poll.
         waiter.future.remove_done_callback(self._woken)
         finish, self._finish = self._finish, _answered
         finish(ok, answer, event)

@@ -39,21 +39,34 @@ class FrameError(errors.InvalidCommandError):
     """The byte stream is not a sequence of frames: the connection cannot be resynchronized."""
 
 
+def over_limit(size: int, max_size: int) -> FrameError:
+    return FrameError(f"frame of {size} bytes is over the limit of {max_size} bytes")
+
+
+def cut_short(leftover: bytes | bytearray) -> FrameError:
+    """The stream ended inside a frame: `leftover` is what came of it, header first."""
+    if len(leftover) < HEADER.size:
+        return FrameError(f"truncated frame header ({len(leftover)} of {HEADER.size} bytes)")
+    (size,) = HEADER.unpack_from(leftover)
+    return FrameError(f"truncated frame: {len(leftover) - HEADER.size} of {size} bytes")
+
+
 async def read_frame(reader: asyncio.StreamReader, max_size: int) -> bytes | None:
-    """One frame's body, or None at a clean end of stream."""
+    """One frame's body, or None at a clean end of stream (a client reading with
+    StreamReader; the supervisor and the driver cut frames with frames.FrameReader)."""
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
         if not exc.partial:
             return None
-        raise FrameError(f"truncated frame header ({len(exc.partial)} of 4 bytes)") from None
+        raise cut_short(exc.partial) from None
     (size,) = HEADER.unpack(header)
     if size > max_size:
-        raise FrameError(f"frame of {size} bytes is over the limit of {max_size} bytes")
+        raise over_limit(size, max_size)
     try:
         return await reader.readexactly(size)
     except asyncio.IncompleteReadError as exc:
-        raise FrameError(f"truncated frame: {len(exc.partial)} of {size} bytes") from None
+        raise cut_short(header + exc.partial) from None
 
 
 def encode_frame(message: Any) -> bytes:

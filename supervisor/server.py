@@ -237,7 +237,7 @@ class _Client:
     def opened(self, reader: FrameReader) -> None:
         server = self.server
         self.connection = _Connection(reader, server.limits, authenticated=self.authenticated)
-        server._opened(self.connection)
+        server._connections.add(self.connection)
 
     def received(self, body: bytes) -> None:
         connection = self.connection
@@ -569,9 +569,6 @@ class QueueServer:
         return FrameReader(
             _Client(self, authenticated), self.max_frame, high_water=self.limits.high_water
         )
-
-    def _opened(self, connection: _Connection) -> None:
-        self._connections.add(connection)
 
     def _held_back(self, connection: _Connection) -> bool:
         """Read no more from a client while its unsent answers pass the high-water mark
