@@ -236,6 +236,27 @@ def with_start_query_time(extra: str | None, start_query_time: int | None) -> st
     return merge_extra_json(extra, f'{{"startQueryTime":{start_query_time}}}')
 
 
+def active_at_once(item: Item, extra: str | None) -> Item:
+    """`item` as ADD_AND_RETRIEVE inserts it when it has a slot: active from its creation
+    (its heartbeat), with `extra`. Built, not dataclasses.replace: one per fast-tracked
+    query, and replace walks the fields each time."""
+    return Item(
+        item.id,
+        item.prefix,
+        item.key,
+        "active",
+        item.priority,
+        item.created,
+        item.created,
+        item.orphaned,
+        extra,
+        item.process_id,
+        item.exclusive,
+        item.external_id,
+        item.payload,
+    )
+
+
 def new_item(
     path: str,
     payload: str,

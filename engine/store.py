@@ -15,7 +15,6 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
 from typing import TypeVar
 
 from queryqueue.engine import validation as v
@@ -34,6 +33,7 @@ from queryqueue.engine.records import (
     Item,
     StoredResult,
     StoreTransaction,
+    active_at_once,
     merge_extra_json,
     new_item,
     with_start_query_time,
@@ -187,9 +187,7 @@ class QueueStore(OffLoop, ListingCommands, RetrieveNext):
                 # A fresh item is always visible to its adder (EXCLUSIVE needs its process
                 # id); retrieved, it goes straight to active and never counts as pending.
                 extra = with_start_query_time(None, start_query_time)
-                queue_id = tx.insert(
-                    replace(new, status="active", heartbeat=new.created, extra=extra)
-                )
+                queue_id = tx.insert(active_at_once(new, extra))
                 retrieved = new.payload
             else:
                 queue_id = tx.insert(new)

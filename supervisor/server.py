@@ -19,7 +19,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,9 @@ class Stats:
         self.throttled = 0  # times a connection was not read until its client caught up
 
     def record(self, kind: str, seconds: float, ok: bool) -> None:
-        entry = self.kinds.setdefault(kind, _Kind())
+        entry = self.kinds.get(kind)
+        if entry is None:  # not setdefault: that builds a _Kind (and its deque) every call
+            entry = self.kinds[kind] = _Kind()
         entry.count += 1
         entry.errors += 0 if ok else 1
         entry.latencies.append(seconds * 1000)
@@ -156,6 +158,8 @@ class _Connection:
     watching: set[str] = field(default_factory=set)
     in_flight: int = 0
     polls_queued: int = 0  # long polls in the inbox, not yet parked (counted to the limit)
+    # Made on the loop. Kept: on 3.11 each get_running_loop() is a getpid() syscall.
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     throttled: bool = False  # not read until its client catches up
     # ADD answers held for their long poll's (`defer`), by id() of the ADD's request.
     deferred: dict[int, bytes] = field(default_factory=dict)
@@ -185,7 +189,7 @@ class _Connection:
 
     def _queue(self, frame: bytes) -> None:
         if not self.outbox:
-            asyncio.get_running_loop().call_soon(self.flush)
+            self.loop.call_soon(self.flush)
         self.outbox.append(frame)
 
     def defer(self, add: _Request, message: dict[str, Any], delay: float) -> None:
@@ -196,8 +200,7 @@ class _Connection:
             return
         self.deferred[id(add)] = _frame_of(message)
         if self.deferred_timer is None:
-            loop = asyncio.get_running_loop()
-            self.deferred_timer = loop.call_later(delay, self.release_deferred)
+            self.deferred_timer = self.loop.call_later(delay, self.release_deferred)
 
     def release_deferred(self, add: _Request | None = None) -> None:
         """Send the deferred answer of `add` (None: all of them) ahead of what follows."""
@@ -433,12 +436,16 @@ class QueueServer:
             name_prefix(socket_path), result_ttl=store.result_ttl_ms / 1000
         )
         self._servers: list[asyncio.Server] = []
-        self._inbox: asyncio.Queue[_Request] = asyncio.Queue()
+        # What arrived, in order; a loop turn (`_execute_turn`) takes it as one batch.
+        self._inbox: deque[_Request] = deque()
         self._held: list[_Request] = []  # ADDs waiting for the next batch (_may_hold)
         self._held_timer: asyncio.TimerHandle | None = None
         # Taken for a batch that ended early (`_gives_work`): they run next, first.
         self._carried: deque[_Request] = deque()
-        self._executor: asyncio.Task[None] | None = None
+        # The next batch's loop turn, once scheduled, on the loop that runs batches (set
+        # from start to stop).
+        self._turn: asyncio.Handle | None = None
+        self._executing_on: asyncio.AbstractEventLoop | None = None
         self._lanes_busy: set[asyncio.Task[None]] = set()
         # A prefix whose batch is on its lane: what arrived for it since (`_to_lane`).
         self._lane_queued: dict[str, list[_Request]] = {}
@@ -475,7 +482,8 @@ class QueueServer:
         # heartbeat, so give them a full timeout to reconnect before anything is reaped.
         self.store.refresh_active_heartbeats()
         self.segments.adopt()  # large results a crashed supervisor acknowledged
-        self._executor = asyncio.ensure_future(self._execute_forever())
+        self._executing_on = asyncio.get_running_loop()
+        self._schedule_turn()  # what arrived before start (nothing can have, but in case)
         self._sweeper = asyncio.ensure_future(self._sweep_forever())
 
     async def _listen(self) -> None:
@@ -532,12 +540,15 @@ class QueueServer:
                 task.cancel()
         await asyncio.sleep(0)
         self._release_held()
-        while self._carried or not self._inbox.empty():
+        self._executing_on = None
+        if self._turn is not None:
+            self._turn.cancel()
+            self._turn = None
+        while self._carried or self._inbox:
             self._run_batch()
-        for background in (self._executor, self._sweeper):
-            if background is not None:
-                background.cancel()
-                await asyncio.gather(background, return_exceptions=True)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
         await asyncio.gather(*self._lanes_busy, return_exceptions=True)
         readers = [connection.reader for connection in self._connections]
         for reader in readers:
@@ -642,7 +653,8 @@ class QueueServer:
             self._hold(request)
             return
         self._release_held()  # ahead of this one: the arrival order stands
-        self._inbox.put_nowait(request)
+        self._inbox.append(request)
+        self._schedule_turn()
 
     def _may_hold(self, request: _Request) -> bool:
         """An ADD for the pool's queue while the pool holds its budget cannot be retrieved
@@ -686,9 +698,10 @@ class QueueServer:
         if self._held_timer is not None:
             self._held_timer.cancel()
             self._held_timer = None
-        for request in self._held:
-            self._inbox.put_nowait(request)
-        self._held.clear()
+        if self._held:
+            self._inbox.extend(self._held)
+            self._held.clear()
+            self._schedule_turn()
 
     @staticmethod
     def _park(request: _Request, parked: asyncio.Task[None]) -> None:
@@ -892,7 +905,16 @@ class QueueServer:
             )
         except RuntimeError:
             return answer  # stopping: the client's own hand-off fails the same way, and says so
-        return replace(answer, dispatched=True)
+        # Built, not dataclasses.replace: that walks the fields on every fast-tracked query.
+        return AddAndRetrieveResponse(
+            answer.id,
+            answer.added,
+            answer.pending,
+            answer.active,
+            answer.payload,
+            answer.extra,
+            True,
+        )
 
     async def describe(self) -> dict[str, Any]:
         pool = {"pool": self.pool.describe()} if self.pool is not None else {}
@@ -913,18 +935,31 @@ class QueueServer:
 
     # -- execution --------------------------------------------------------------------------------
 
-    async def _execute_forever(self) -> None:
-        while True:
-            first = self._carried.popleft() if self._carried else await self._inbox.get()
-            batch = self._take_batch(first)
+    def _schedule_turn(self) -> None:
+        # A callback, not a task waiting on a queue: no future and no task step per batch.
+        # Scheduled with call_soon, it runs after the I/O callbacks of this loop iteration:
+        # every connection that had something to say has said it, and it is one batch.
+        loop = self._executing_on
+        if self._turn is None and loop is not None:
+            self._turn = loop.call_soon(self._execute_turn)
+
+    def _execute_turn(self) -> None:
+        self._turn = None
+        if not (self._carried or self._inbox):
+            return
+        try:
+            batch = self._take_batch(None)
             if self.store.blocking:
                 for route, group in self._by_route(batch).items():
                     self._to_lane(route, group)
             else:
                 batch, answers, for_pool = self._execute_carrying(batch)
                 self._settle(batch, answers, for_pool)
-            # Let connections read what arrived meanwhile: the next batch groups it.
-            await asyncio.sleep(0)
+        finally:
+            # What is left (carried, or arrived meanwhile) goes in the next turn, after the
+            # connections have read what arrived since: the next batch groups it.
+            if self._carried or self._inbox:
+                self._schedule_turn()
 
     def _settle(
         self,
@@ -1033,8 +1068,8 @@ class QueueServer:
         batch: list[_Request] = [] if first is None else [first]
         while len(batch) < self.max_batch and self._carried:
             batch.append(self._carried.popleft())
-        while len(batch) < self.max_batch and not self._inbox.empty():
-            batch.append(self._inbox.get_nowait())
+        while len(batch) < self.max_batch and self._inbox:
+            batch.append(self._inbox.popleft())
         for request in batch:  # checked here, on the loop: the segments live on it
             if request.checked:
                 continue  # carried over from a batch that ended early
