@@ -544,9 +544,14 @@ class SocketQueueDriver:
                     del self._pipelined[key]
                 pipelined.drop()
 
-        pipelined.waited.add_done_callback(
-            lambda _: asyncio.get_running_loop().call_later(_PIPELINED_KEPT_S, forget)
-        )
+        def kept(waited: asyncio.Future[dict[str, Any]]) -> None:
+            if not waited.cancelled():
+                # Its connection's loss is nobody's concern until the poll is claimed (the
+                # claim still sees it): no "exception was never retrieved" at collection.
+                waited.exception()
+            asyncio.get_running_loop().call_later(_PIPELINED_KEPT_S, forget)
+
+        pipelined.waited.add_done_callback(kept)
 
     def _claim_pipelined(self, key: tuple[QueueKey, int]) -> _Pipelined | None:
         kept = self._pipelined.get(key)

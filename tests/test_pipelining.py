@@ -178,6 +178,27 @@ async def test_a_failing_add_leaves_no_long_poll_behind(served: QueueServer) -> 
         await driver.close()
 
 
+async def test_an_unclaimed_long_poll_lost_with_its_connection_leaves_no_warning(
+    server: QueueServer,
+) -> None:
+    """A caller that added with its long poll and has not asked for the result yet, when
+    the connection goes: the poll's loss is kept for its claim, not left to be reported
+    as an exception nobody retrieved when the future is collected (at the latest when
+    the loop closes, in whatever runs then)."""
+    driver = SocketQueueDriver(server.socket_path)
+    try:
+        added = await driver.add("p:k", orjson.dumps({"q": 1}).decode(), then_wait_ms=10_000)
+        (kept,) = driver._pipelined[(added.id, 10_000)]
+        kept.link.close()  # the connection goes while the poll is parked, unclaimed
+        await wait_until(kept.waited.done, what="the pipelined poll failed with its connection")
+        await asyncio.sleep(0)  # its done callbacks have run
+        # What asyncio logs "exception was never retrieved" from, as the future is freed.
+        assert not kept.waited._log_traceback
+        assert await kept.reply(1.0) is None  # its claim still sees the loss
+    finally:
+        await driver.close()
+
+
 async def test_a_malformed_then_wait_is_refused_by_name(server: QueueServer) -> None:
     driver = SocketQueueDriver(server.socket_path)
     try:
