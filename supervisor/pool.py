@@ -51,6 +51,11 @@ SPAWN_RETRY_MAX = 5.0
 # Messages to a worker over its pipe, by their first byte; an empty one asks it to exit.
 _JOB = b"J"
 _CANCEL = b"C"
+# From a worker, each followed by the queue id (JSON) of the query it is about. None after
+# an ACK its supervisor answered: the supervisor saw it commit, and that ends the query.
+_DONE = b"done"  # ended without an ACK (cancelled before it started), or drained
+_LOST = b"lost"  # its outcome could not be stored: give it back
+_DRAINING = b"draining"  # a handler thread of it still runs: no more work till it ends
 
 
 @dataclass(eq=False)
@@ -67,7 +72,6 @@ class _Job:
     priority: int = 0
     added_ms: float | None = None  # addedToQueueTime: epoch ms it was queued
     sent_ms: float | None = None  # epoch ms it went to a worker
-    acked: bool = False  # its outcome is stored: its worker is all but free
 
 
 @dataclass(eq=False)
@@ -75,9 +79,11 @@ class _Worker:
     process: Any
     conn: Any  # the supervisor's end of the worker's pipe
     job: _Job | None = None
-    # Sent ahead, once `job` was acknowledged: it waits in the pipe while the worker says
-    # "done", so the worker starts it without a round trip.
+    # Sent while a handler thread of its last query still ran (`_DRAINING`): it waits in
+    # the pipe, not started, until the thread ends.
     next: _Job | None = None
+    # The query it ended last (its ACK committed): what the ACK's metrics describe.
+    finished: _Job | None = None
     executed: int = 0
     watchers: list[int] = field(default_factory=list)
     retiring: bool = False  # asked to exit after max_tasks_per_worker
@@ -126,7 +132,6 @@ class WorkerPool:
         self.max_memory_per_worker = max_memory_per_worker
         self.terminated = 0
         self.recycled = 0
-        self.sent_ahead = 0  # queries sent to a worker before it said "done"
         self.handed_off = 0
         self._context = context or multiprocess.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -217,7 +222,6 @@ class WorkerPool:
             "workers": [self._describe_worker(w) for w in self._workers],
             "backlog": len(self._backlog),
             "handed_off": self.handed_off,
-            "sent_ahead": self.sent_ahead,
             "replaced": self.replaced,
             "terminated": self.terminated,
             "recycled": self.recycled,
@@ -377,8 +381,18 @@ class WorkerPool:
         self._assign()
 
     def job(self, key: QueueKey) -> _Job | None:
-        """The job of an item this pool holds (waiting or running), by id or path."""
-        return self._job(key)
+        """The job of an item this pool holds (waiting or running) or whose ACK just ended
+        it, by id or path."""
+        held = self._job(key)
+        if held is not None:
+            return held
+        for worker in self._workers:
+            if worker.finished is not None and key in (
+                worker.finished.queue_id,
+                worker.finished.path,
+            ):
+                return worker.finished
+        return None
 
     def _job(self, key: QueueKey) -> _Job | None:
         for job in self._backlog:
@@ -391,12 +405,26 @@ class WorkerPool:
         return None
 
     def acked(self, key: QueueKey) -> None:
-        """An ACK by `key` committed: a worker whose job that is may be sent its next."""
+        """An ACK by `key` was answered: the ACK is the last a worker does for a query,
+        so the worker whose query that is is free now, and is sent its next at once. It
+        says nothing more unless a handler thread of it still runs (`_DRAINING`)."""
         for worker in self._workers:
             if worker.job is not None and key in (worker.job.queue_id, worker.job.path):
-                worker.job.acked = True
-                self._assign()
+                self._finished(worker)
                 return
+
+    def _finished(self, worker: _Worker) -> None:
+        job = worker.job
+        if job is not None:
+            self._deaths.pop(job.path, None)  # it ran to its end
+            worker.finished = job
+        worker.job, worker.next = worker.next, None
+        if worker.job is not None:
+            worker.job.started_at = asyncio.get_running_loop().time()
+        worker.executed += 1
+        if self._due_to_retire(worker, quiet=False, done=0):
+            self._retire(worker)
+        self._assign()
 
     def removed(self, key: QueueKey) -> None:
         """The item was cancelled: a worker running it hears of it now (its cancel handler
@@ -412,44 +440,27 @@ class WorkerPool:
                         worker.conn.send_bytes(_CANCEL + orjson.dumps(held.queue_id))
 
     def _assign(self) -> None:
-        # Idle workers first; then one finishing (its job acknowledged) is sent its next.
-        for ahead in (False, True):
-            for worker in self._workers:
-                if not self._backlog:
-                    return
-                if not self._takes(worker, ahead):
-                    continue
-                job = self._backlog.popleft()
-                if ahead:
-                    worker.next = job
-                    self.sent_ahead += 1
-                else:
-                    worker.job = job
-                    job.started_at = asyncio.get_running_loop().time()
-                job.sent_ms = time.time() * 1000
-                try:
-                    worker.conn.send_bytes(job.blob)
-                except (OSError, ValueError):
-                    self._backlog.appendleft(job)  # the worker died: its exit handler runs next
-                    if ahead:
-                        worker.next = None
-                    else:
-                        worker.job = None
+        for worker in self._workers:
+            if not self._backlog:
+                return
+            if not self._takes(worker):
+                continue
+            job = self._backlog.popleft()
+            worker.job = job
+            job.started_at = asyncio.get_running_loop().time()
+            job.sent_ms = time.time() * 1000
+            try:
+                worker.conn.send_bytes(job.blob)
+            except (OSError, ValueError):
+                self._backlog.appendleft(job)  # the worker died: its exit handler runs next
+                worker.job = None
 
-    def _takes(self, worker: _Worker, ahead: bool) -> bool:
+    @staticmethod
+    def _takes(worker: _Worker) -> bool:
         # No is_alive() here (a waitpid per call, several per query): a dead worker leaves
         # `_workers` once its sentinel is read, and a hand-off sent to it before that fails
         # on its closed pipe and goes back to the backlog (`_assign`).
-        if worker.draining_since is not None or worker.retiring:
-            return False
-        if not ahead:
-            return worker.job is None
-        return (
-            worker.job is not None
-            and worker.job.acked
-            and worker.next is None
-            and not self._due_to_retire(worker, quiet=True)  # its next runs in a fresh one
-        )
+        return worker.job is None and worker.draining_since is None and not worker.retiring
 
     def _on_message(self, worker: _Worker) -> None:
         try:
@@ -460,25 +471,34 @@ class WorkerPool:
             asyncio.get_running_loop().add_reader(worker.process.sentinel, self._on_exit, worker)
             worker.watchers = [worker.process.sentinel]
             return
-        if message == b"draining":
-            worker.job = None
+        kind, queue_id = _parse_report(message)
+        job = worker.job
+        ours = job is not None and job.queue_id == queue_id
+        if kind == _DRAINING:
             worker.draining_since = asyncio.get_running_loop().time()
+            if ours:  # its ACK was not answered: it is over all the same
+                worker.job = None
+                worker.executed += 1
+            elif job is not None:  # sent since its ACK: it waits for the thread, unstarted
+                worker.job, worker.next = None, job
             return
-        if message == b"lost" and worker.job is not None:
-            task = asyncio.ensure_future(self._give_back(worker.job))
+        if kind == _LOST and ours:
+            assert job is not None
+            task = asyncio.ensure_future(self._give_back(job))
             self._cancelling.add(task)
             task.add_done_callback(self._cancelling.discard)
-            message = b"done"
-        if message == b"done":
-            if worker.job is not None:
-                self._deaths.pop(worker.job.path, None)  # it ran to its end
-            worker.job, worker.next = worker.next, None
-            if worker.job is not None:
-                worker.job.started_at = asyncio.get_running_loop().time()
-            worker.draining_since = None
-            worker.executed += 1
-            if self._due_to_retire(worker, quiet=False, done=0):
-                self._retire(worker)
+        if kind in (_LOST, _DONE):
+            if ours:
+                self._finished(worker)
+            elif job is None and worker.draining_since is not None:
+                # Drained: what was sent meanwhile starts now.
+                worker.draining_since = None
+                worker.job, worker.next = worker.next, None
+                if worker.job is not None:
+                    worker.job.started_at = asyncio.get_running_loop().time()
+                if self._due_to_retire(worker, quiet=False, done=0):
+                    self._retire(worker)
+            # Else about a query whose ACK was answered already: nothing left to do.
         self._assign()
 
     def _due_to_retire(self, worker: _Worker, *, quiet: bool, done: int = 1) -> bool:
@@ -512,7 +532,7 @@ class WorkerPool:
         worker.process.join(0)
         with contextlib.suppress(OSError):
             worker.conn.close()
-        if worker.job is not None and not worker.job.acked:  # an acknowledged one is done
+        if worker.job is not None:  # an acknowledged one is no longer its job
             self._reclaim(worker.job, worker.process.exitcode)
         if worker.next is not None:  # never started: back to the queue, run again
             task = asyncio.ensure_future(self._give_back(worker.next))
@@ -705,6 +725,22 @@ def worker_main(
     loops.run(_worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor), event_loop)
 
 
+def _report(kind: bytes, queue_id: QueueId) -> bytes:
+    return kind + orjson.dumps(queue_id)
+
+
+def _parse_report(message: bytes) -> tuple[bytes | None, QueueId | None]:
+    """A worker's report: its kind and the queue id it is about (None, None: unknown)."""
+    for kind in (_DONE, _LOST, _DRAINING):
+        if message.startswith(kind):
+            try:
+                queue_id = orjson.loads(message[len(kind) :])
+            except orjson.JSONDecodeError:
+                return None, None
+            return kind, queue_id if isinstance(queue_id, int) else None
+    return None, None
+
+
 def _shown_key(query_key: Any) -> str:
     """A query key for people to read: a string as it is, anything else as JSON."""
     if isinstance(query_key, str):
@@ -776,20 +812,23 @@ async def _worker_loop(
             if not blob:
                 break
             retrieved = decode_retrieved(blob[1:])
-            if retrieved.queue_id in unstarted_cancels:
-                unstarted_cancels.discard(retrieved.queue_id)
-                conn.send_bytes(b"done")
+            queue_id = retrieved.queue_id
+            if queue_id in unstarted_cancels:
+                unstarted_cancels.discard(queue_id)
+                conn.send_bytes(_report(_DONE, queue_id))
                 continue
+            # True: its ACK was answered, which told the supervisor this query is over.
             reported = await queue.execute_query(retrieved)
             with contextlib.suppress(OSError, ValueError):
                 if queue.handler_threads:
                     # A cancelled or timed-out sync handler is still running: take no more
                     # work; the pool terminates this process unless the thread ends within
                     # the grace.
-                    conn.send_bytes(b"draining")
+                    conn.send_bytes(_report(_DRAINING, queue_id))
                     await asyncio.to_thread(queue.wait_for_handler_threads)
-                # "lost": its outcome could not be stored; the supervisor gives it back.
-                conn.send_bytes(b"done" if reported else b"lost")
+                    conn.send_bytes(_report(_DONE if reported else _LOST, queue_id))
+                elif not reported:
+                    conn.send_bytes(_report(_LOST, queue_id))  # the supervisor gives it back
     finally:
         with contextlib.suppress(ValueError, OSError):
             loop.remove_reader(conn.fileno())

@@ -1038,12 +1038,13 @@ class QueueServer:
         return queued[: self.max_batch]
 
     def _note_acks(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> None:
-        """The pool hears of its workers' ACKs as they commit: a worker finishing one is
-        sent its next query before it says "done"."""
+        """The pool hears of its workers' ACKs as they are answered (committed, or found
+        their item gone): the ACK ends a worker's query, and the worker is sent its next
+        in this same turn, with no word from it."""
         if self.pool is None:
             return
-        for request, (ok, answer) in zip(batch, answers, strict=True):
-            if ok and request.method == "ack" and request.args and answer.success:
+        for request, (ok, _) in zip(batch, answers, strict=True):
+            if ok and request.method == "ack" and request.args:
                 self.pool.acked(request.args[0])
 
     def _run_batch(self) -> None:
@@ -1267,7 +1268,7 @@ class QueueServer:
             return
         metrics.answered(request.method, request.args, answer, took)
         if request.method == "ack" and len(request.args) == 2 and answer.success:
-            # Asked before the worker's "done" clears it: the pool knows what ran.
+            # The pool's job for it (ended by this ACK): what ran, and how long it waited.
             job = self.pool.job(request.args[0]) if self.pool is not None else None
             key = request.args[0]
             path = job.path if job is not None else key if isinstance(key, str) else ":"

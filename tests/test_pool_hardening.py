@@ -204,13 +204,13 @@ async def test_failed_spawns_are_retried_and_the_pool_says_it_is_short(
     assert "the pool has 0 of 2 workers" in caplog.text
 
 
-async def test_a_worker_killed_holding_a_query_sent_ahead_loses_nothing(
+async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Once a worker's ACK commits, its next query is sent before it says "done". Here its
-    "done" is held back (the supervisor stops reading that worker), so the query sent ahead
-    is still the pool's `next` when the worker is killed: it goes back to the queue and
-    runs elsewhere, and the finished one is not reclaimed."""
+    """The ACK's commit ends a worker's query: its next is sent to it in that same turn,
+    with no word from the worker. Killed right then, holding that next query (sent, maybe
+    not started): the acknowledged query is not reclaimed (its result stands), and the one
+    sent goes back to the queue and runs in a live worker."""
     from queryqueue.supervisor.server import QueueServer
     from tests.apps.pool_app import app as pool_app
 
@@ -218,17 +218,24 @@ async def test_a_worker_killed_holding_a_query_sent_ahead_loses_nothing(
     store = MemoryQueueStore()
     pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
     server = QueueServer(store, workdir / "s.sock", pool=pool)
-    frozen: list[Any] = []
-    reading = pool._on_message
+    killed: list[tuple[int, str, Any]] = []
+    settle = server._settle
 
-    def on_message(worker: Any) -> None:
-        if not frozen and worker.job is not None and worker.job.acked and worker.next:
-            asyncio.get_running_loop().remove_reader(worker.conn.fileno())
-            frozen.append((worker, worker.next.path))
-            return
-        reading(worker)
+    def settle_then_kill(batch: list[Any], answers: Any, for_pool: Any) -> None:
+        keys = [r.args[0] for r in batch if r.method == "ack" and r.args]
+        holders = [
+            w
+            for w in pool._workers
+            if w.job is not None and any(k in (w.job.queue_id, w.job.path) for k in keys)
+        ]
+        settle(batch, answers, for_pool)  # the ACK ends its query; the next is sent
+        for worker in holders:
+            sent, finished = worker.job, worker.finished
+            if not killed and sent is not None and finished is not None:
+                killed.append((worker.process.pid, sent.path, finished.queue_id))
+                os.kill(worker.process.pid, signal.SIGKILL)
 
-    monkeypatch.setattr(pool, "_on_message", on_message)
+    monkeypatch.setattr(server, "_settle", settle_then_kill)
     await server.start()
     driver = SocketQueueDriver(server.socket_path)
     queue = pool_app.pool_queue(driver)
@@ -243,19 +250,17 @@ async def test_a_worker_killed_holding_a_query_sent_ahead_loses_nothing(
             asyncio.ensure_future(queue.run("sql", key, {"key": key, "seconds": 3.0}))
             for key in ("slow2", "slow3")
         ]
-        await wait_until(lambda: frozen, within=30, what="a worker holding a query sent ahead")
-        worker, ahead = frozen[0]
-        killed = worker.process.pid
-        os.kill(killed, signal.SIGKILL)
+        await wait_until(lambda: killed, within=30, what="a worker killed as its ACK committed")
+        pid, sent, finished_id = killed[0]
         results = await asyncio.wait_for(asyncio.gather(*asks), timeout=60)
         assert [r["key"] for r in results] == ["fast0", "fast1", "slow2", "slow3"]
         paths = {f"{queue.prefix}:{queue.hash_query_key(r['key'])}": r for r in results}
-        sent_ahead = paths[ahead]
-        assert sent_ahead["key"].startswith("slow")
-        assert sent_ahead["pid"] != killed, "it ran again, in a live worker"
+        assert paths[sent]["key"].startswith("slow")
+        assert paths[sent]["pid"] != pid, "it ran again, in a live worker"
         described = pool.describe()
-        assert described["replaced"] == 1 and described["sent_ahead"] >= 1
-        assert described["reclaimed"] == 0, "the acknowledged query was done, not lost"
+        assert described["replaced"] == 1
+        assert finished_id not in pool.reclaimed, "the acknowledged query was done, not lost"
+        assert len(pool.reclaimed) == 1  # the one sent to it
     finally:
         await queue.shutdown(grace=0)
         await driver.close()
@@ -310,5 +315,53 @@ async def test_an_add_for_a_full_pool_waits_for_the_batch_of_the_ack_that_frees_
         await queue.shutdown(grace=0)
         await driver.close()
         await other.close()
+        await pool.stop(grace=0)
+        await server.stop()
+
+
+async def test_a_query_sent_while_a_cancelled_handler_thread_drains_waits_for_it(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled sync handler's thread runs on: its worker ACKs, says it is draining,
+    and takes nothing new until the thread ends. The query sent to it as its ACK was
+    answered waits in its pipe, unstarted, and runs there once the thread has ended."""
+    from queryqueue.supervisor.server import QueueServer
+    from tests.apps.pool_app import app as pool_app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = MemoryQueueStore()
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
+    server = QueueServer(store, workdir / "s.sock", pool=pool)
+    await server.start()
+    driver = SocketQueueDriver(server.socket_path)
+    queue = pool_app.pool_queue(driver)
+    try:
+        await pool.start()
+        first = asyncio.ensure_future(queue.run("sql", "s1", {"key": "s1", "seconds": 2.0}))
+        second: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        await wait_until(lambda: _starts(workdir, "s1"), within=30, what="s1 running")
+        second = asyncio.ensure_future(queue.run("sql", "s2", {"key": "s2", "seconds": 0.05}))
+        await wait_until(lambda: pool.describe()["backlog"] == 1, what="s2 waiting in the pool")
+        s1 = queue.hash_query_key("s1")
+        (running,) = [i for i in await driver.list_items(queue.prefix) if i.id == s1]
+        assert await driver.cancel(running.queue_id) is not None
+        await wait_until(
+            lambda: pool._workers[0].draining_since is not None, what="the worker draining"
+        )
+        assert not _starts(workdir, "s2"), "nothing starts beside a draining thread"
+        result = await asyncio.wait_for(second, timeout=30)
+        (worker,) = pool._workers
+        assert result["pid"] == worker.process.pid  # the same worker, once it had drained
+        ((end_s1,),) = [[float(t[3])] for t in read_trace(workdir) if t[:2] == ["end", "s1"]]
+        ((start_s2,),) = [[float(t[3])] for t in _starts(workdir, "s2")]
+        assert start_s2 >= end_s1
+        assert worker.draining_since is None and worker.next is None
+        assert pool.describe()["terminated"] == 0
+    finally:
+        for task in (first, second):
+            task.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        await queue.shutdown(grace=0)
+        await driver.close()
         await pool.stop(grace=0)
         await server.stop()
