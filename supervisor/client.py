@@ -549,7 +549,8 @@ class SocketQueueDriver:
                 # Its connection's loss is nobody's concern until the poll is claimed (the
                 # claim still sees it): no "exception was never retrieved" at collection.
                 waited.exception()
-            asyncio.get_running_loop().call_later(_PIPELINED_KEPT_S, forget)
+            if pipelined in self._pipelined.get(key, ()):  # claimed already: no timer
+                asyncio.get_running_loop().call_later(_PIPELINED_KEPT_S, forget)
 
         pipelined.waited.add_done_callback(kept)
 
