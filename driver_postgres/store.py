@@ -298,6 +298,8 @@ class PostgresTransaction:
         self._unsettled: list[tuple[str, psycopg.Cursor[Any]]] = []
         # Reads sent ahead of the command that reads them (`expect_add`), by what they ask.
         self._ahead: dict[tuple[Any, ...], psycopg.Cursor[Any]] = {}
+        # Items whose NOTIFY went with their result's INSERT (`insert_result`).
+        self._notified: set[int] = set()
 
     def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
         """A statement that changes data: the transaction then has an id to look up
@@ -552,12 +554,17 @@ class PostgresTransaction:
     # -- results ------------------------------------------------------------------------
 
     def insert_result(self, result: StoredResult) -> None:
+        # A result is only ever inserted as its item is completed (an ACK, or a CANCEL
+        # with a result), which then notifies every host (`acked`): the NOTIFY rides on
+        # this INSERT, one statement (a round of psycopg and a backend wake-up) fewer.
+        self._notified.add(result.id)
         self._write(
-            "INSERT INTO results (id, path, value, deleted, expire, external_id, consumed_by)"
+            "WITH stored AS (INSERT INTO results"
+            " (id, path, value, deleted, expire, external_id, consumed_by)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET"
             " path = excluded.path, value = excluded.value, deleted = excluded.deleted,"
             " expire = excluded.expire, external_id = excluded.external_id,"
-            " consumed_by = excluded.consumed_by",
+            " consumed_by = excluded.consumed_by) SELECT pg_notify(%s, %s)",
             (
                 result.id,
                 result.path,
@@ -566,6 +573,8 @@ class PostgresTransaction:
                 result.expire,
                 result.external_id,
                 result.consumed_by,
+                self._channel,
+                self._note(result.id, result.path, False, result.external_id),
             ),
         )
 
@@ -646,14 +655,14 @@ class PostgresTransaction:
 
     def acked(self, item: Item, result: str | None) -> None:
         # Delivered when this transaction commits, to every host listening.
-        note = {
-            "id": item.id,
-            "path": item.path,
-            "null": result is None,
-            "ext": item.external_id,
-            "from": self._origin,
-        }
-        self._write("SELECT pg_notify(%s, %s)", (self._channel, orjson.dumps(note).decode()))
+        if item.id in self._notified:
+            return  # with its result's INSERT
+        note = self._note(item.id, item.path, result is None, item.external_id)
+        self._write("SELECT pg_notify(%s, %s)", (self._channel, note))
+
+    def _note(self, id: QueueId, path: str, null: bool, external_id: str | None) -> str:
+        note = {"id": id, "path": path, "null": null, "ext": external_id, "from": self._origin}
+        return orjson.dumps(note).decode()
 
 
 class PostgresQueueStore(QueueStore):
