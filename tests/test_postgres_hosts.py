@@ -55,6 +55,11 @@ def _pool_host(workdir: Path, name: str, schema: str, *, url: str = URL) -> Supe
     )
 
 
+async def _adds(driver: SocketQueueDriver) -> int:
+    commands = (await driver.stats())["commands"]
+    return sum(int(commands.get(c, {}).get("count", 0)) for c in ("add", "add_and_retrieve"))
+
+
 async def _ask(queue: Any, key: str, seconds: float) -> Any:
     return await _ask_for(queue, "sql", key, {"key": key, "seconds": seconds})
 
@@ -543,13 +548,27 @@ async def test_large_results_are_readable_on_every_host(
     from tests.apps.pool_app import big_text
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    gate = workdir / "gate"
+    gate.touch()
+    monkeypatch.setenv("POOL_GATE", str(gate))
     size = 2 * 1024 * 1024  # over the 1 MiB shared-memory threshold
-    async with _two_pool_hosts(workdir, schema) as (hosts, _, queues):
+    async with _two_pool_hosts(workdir, schema) as (hosts, drivers, queues):
         keys = [f"big{i}" for i in range(8)]
         # Every key asked on both hosts at once: wherever it ran, both callers read it.
-        results = await asyncio.gather(
+        asks = asyncio.gather(
             *(_ask_for(q, "big", key, {"key": key, "size": size}) for key in keys for q in queues)
         )
+
+        async def every_add_in() -> bool:
+            # A caller whose ADD came after the result was read would run it again (a
+            # result read by a waiter is taken): the queries wait until all have asked.
+            return all([await _adds(d) >= len(keys) for d in drivers])
+
+        try:
+            await wait_until(every_add_in, within=60, what="every caller's ADD on both hosts")
+        finally:
+            gate.unlink()
+        results = await asks
         assert results == [big_text(size, key) for key in keys for _ in queues]
         starts = [t for t in read_trace(workdir) if t[0] == "start"]
         assert sorted(t[1] for t in starts) == keys  # 8 executions, not 16
