@@ -418,13 +418,18 @@ class WorkerPool:
         if job is not None:
             self._deaths.pop(job.path, None)  # it ran to its end
             worker.finished = job
+        worker.executed += 1
+        self._start_next(worker)
+        self._assign()
+
+    def _start_next(self, worker: _Worker) -> None:
+        """The worker's query is over: what was sent it meanwhile (`next`) is its job now,
+        unless the worker is due to be retired (it then leaves after that one)."""
         worker.job, worker.next = worker.next, None
         if worker.job is not None:
             worker.job.started_at = asyncio.get_running_loop().time()
-        worker.executed += 1
         if self._due_to_retire(worker, quiet=False, done=0):
             self._retire(worker)
-        self._assign()
 
     def removed(self, key: QueueKey) -> None:
         """The item was cancelled: a worker running it hears of it now (its cancel handler
@@ -491,13 +496,8 @@ class WorkerPool:
             if ours:
                 self._finished(worker)
             elif job is None and worker.draining_since is not None:
-                # Drained: what was sent meanwhile starts now.
-                worker.draining_since = None
-                worker.job, worker.next = worker.next, None
-                if worker.job is not None:
-                    worker.job.started_at = asyncio.get_running_loop().time()
-                if self._due_to_retire(worker, quiet=False, done=0):
-                    self._retire(worker)
+                worker.draining_since = None  # drained: what was sent meanwhile starts now
+                self._start_next(worker)
             # Else about a query whose ACK was answered already: nothing left to do.
         self._assign()
 

@@ -948,7 +948,7 @@ class QueueServer:
         if not (self._carried or self._inbox):
             return
         try:
-            batch = self._take_batch(None)
+            batch = self._take_batch()
             if self.store.blocking:
                 for route, group in self._by_route(batch).items():
                     self._to_lane(route, group)
@@ -1049,7 +1049,7 @@ class QueueServer:
 
     def _run_batch(self) -> None:
         """Run what has arrived, here and now (at shutdown)."""
-        batch = self._take_batch(None)
+        batch = self._take_batch()
         if batch:
             batch, answers, _ = self._execute_carrying(batch)
             self._answer_batch(batch, answers)
@@ -1065,8 +1065,8 @@ class QueueServer:
             batch = batch[: len(answers)]
         return batch, answers, for_pool
 
-    def _take_batch(self, first: _Request | None) -> list[_Request]:
-        batch: list[_Request] = [] if first is None else [first]
+    def _take_batch(self) -> list[_Request]:
+        batch: list[_Request] = []
         while len(batch) < self.max_batch and self._carried:
             batch.append(self._carried.popleft())
         while len(batch) < self.max_batch and self._inbox:
