@@ -35,7 +35,7 @@ import functools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -91,6 +91,10 @@ _FIND_BY_PATH = (
     f"SELECT {ITEM_COLUMNS}, txid_current() FROM items WHERE prefix = %s AND key = %s FOR UPDATE"
 )
 _EXTERNAL_ID_TAKEN = "SELECT 1 FROM items WHERE external_id = %s"
+# An ACK's item, read with the batch's first statements (`PostgresQueueStore.expect`).
+_FIND_BY_ID_IN_PREFIX = (
+    f"SELECT {ITEM_COLUMNS}, txid_current() FROM items WHERE id = %s AND prefix = %s FOR UPDATE"
+)
 _LATEST_RESULT_BY_PATH = (
     f"SELECT {RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
     " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE"
@@ -237,7 +241,9 @@ class _Batch:
 
     __slots__ = (
         "conn",
+        "expected",
         "failure",
+        "foreseen",
         "kept",
         "known",
         "locked",
@@ -263,6 +269,10 @@ class _Batch:
         self.xid_cursors: list[psycopg.Cursor[Any] | None] = []
         self.failure: StoreError | None = None
         self.savepoint = False  # a command's savepoint is open
+        # Items its commands will ask for by id (`PostgresQueueStore.expect`): read with
+        # the batch's first statements, after its prefix's lock (`foreseen`, by id).
+        self.expected: list[int] = []
+        self.foreseen: dict[int, psycopg.Cursor[Any]] = {}
 
     def answered_xid(self) -> int | None:
         """The transaction's id, if a read or a write's answer gave it already."""
@@ -280,6 +290,7 @@ class PostgresTransaction:
         origin: str = "",
         *,
         pipelined: bool = False,
+        foreseen: dict[int, psycopg.Cursor[Any]] | None = None,
     ) -> None:
         self._c = conn
         self._pipelined = pipelined
@@ -300,6 +311,9 @@ class PostgresTransaction:
         self._ahead: dict[tuple[Any, ...], psycopg.Cursor[Any]] = {}
         # Items whose NOTIFY went with their result's INSERT (`insert_result`).
         self._notified: set[int] = set()
+        # The batch's reads of items by id, sent ahead (`_Batch.foreseen`): shared by its
+        # commands, each dropped once a command changes its item (it would be stale).
+        self._foreseen = foreseen if foreseen is not None else {}
 
     def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
         """A statement that changes data: the transaction then has an id to look up
@@ -379,6 +393,11 @@ class PostgresTransaction:
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
         columns = ITEM_COLUMNS + (", payload" if with_payload else "") + ", txid_current()"
         if isinstance(key, int):
+            cursor = None if with_payload else self._foreseen.pop(key, None)
+            if cursor is not None:
+                row = cursor.fetchone()
+                if row is not None:
+                    return self._found(row)
             if self._locked:  # an item of a prefix this transaction holds: one statement
                 row = self._one(
                     f"SELECT {columns} FROM items WHERE id = %s AND prefix = ANY(%s) FOR UPDATE",
@@ -460,6 +479,7 @@ class PostgresTransaction:
 
     def activate(self, item: Item, now: int, extra: str | None) -> None:
         self._settle()
+        self._foreseen.pop(item.id, None)
         self._write(
             "UPDATE items SET status = %s, heartbeat = %s, extra = %s WHERE id = %s",
             (ACTIVE, now, extra, item.id),
@@ -468,16 +488,20 @@ class PostgresTransaction:
         self.known.activated(item)
 
     def set_heartbeat(self, item: Item, now: int) -> None:
+        self._foreseen.pop(item.id, None)
         self._write("UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
 
     def set_orphaned(self, item: Item, deadline: int) -> None:
+        self._foreseen.pop(item.id, None)
         self._write("UPDATE items SET orphaned = %s WHERE id = %s", (deadline, item.id))
 
     def set_extra(self, item: Item, extra: str | None) -> None:
+        self._foreseen.pop(item.id, None)
         self._write("UPDATE items SET extra = %s WHERE id = %s", (extra, item.id))
 
     def delete(self, item: Item) -> None:
         self._settle()
+        self._foreseen.pop(item.id, None)
         cursor = self._write("DELETE FROM items WHERE id = %s RETURNING txid_current()", (item.id,))
         if self.xid is None:
             self.xid_cursors.append(cursor)
@@ -642,11 +666,13 @@ class PostgresTransaction:
         return found, int(row[0]) if row else 0
 
     def refresh_active_heartbeats(self, now: int) -> int:
+        self._foreseen.clear()
         cursor = self._write("UPDATE items SET heartbeat = %s WHERE status = %s", (now, ACTIVE))
         return cursor.rowcount
 
     def truncate(self) -> None:
         self._settle()
+        self._foreseen.clear()
         self.known = _Known()
         # DELETE rather than TRUNCATE: the identity keeps counting, ids are never reused.
         self._write("DELETE FROM items")
@@ -923,6 +949,7 @@ class PostgresQueueStore(QueueStore):
             return _Redo() if tx.wrote else exc
         if batch.kept or tx.wrote:
             return _Redo()
+        batch.foreseen.clear()  # read under the lock the rollback lets go
         try:
             with self._watchdog.watching(conn):
                 conn.rollback()
@@ -934,6 +961,28 @@ class PostgresQueueStore(QueueStore):
         if isinstance(exc, psycopg.OperationalError):
             return self._broken(batch, exc)
         return StoreError(f"queue database: {exc}")
+
+    def expect(self, commands: Iterable[tuple[str, Sequence[Any]]]) -> None:
+        """The ACKs by queue id of a pipelined batch with a prefix (its workers' ACKs, in
+        the transaction of the ADDs and the retrieval they free a slot for): their items
+        are read with the batch's first statements, so the batch waits for all of them at
+        once, not once per ACK."""
+        batch: _Batch | None = getattr(self._local, "batch", None)
+        if batch is None or not batch.pipelined or batch.prefix is None:
+            return
+        batch.expected = [
+            args[0]
+            for method, args in commands
+            if method == "ack" and args and type(args[0]) is int
+        ]
+
+    def _send_expected(self, batch: _Batch) -> None:
+        """`expect`'s reads, after the batch's prefix lock (rows are locked after it, as
+        every transaction does, or two could wait on each other)."""
+        expected, batch.expected = batch.expected, []
+        for id in expected:
+            if id not in batch.foreseen:
+                batch.foreseen[id] = batch.conn.execute(_FIND_BY_ID_IN_PREFIX, (id, batch.prefix))
 
     @contextmanager
     def _command_in(self, batch: _Batch) -> Iterator[PostgresTransaction]:
@@ -955,6 +1004,7 @@ class PostgresQueueStore(QueueStore):
             batch.known,
             self.origin,
             pipelined=pipelined,
+            foreseen=batch.foreseen,
         )
         try:
             with self._watchdog.watching(conn):
@@ -966,6 +1016,7 @@ class PostgresQueueStore(QueueStore):
                         batch.savepoint = True
                     elif batch.prefix is not None:
                         tx.lock(batch.prefix)  # the batch's prefix, before any row
+                        self._send_expected(batch)
                     yield tx
                 except BaseException as exc:
                     if isinstance(exc, _Redo):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from queryqueue.engine import validation as v
@@ -25,8 +25,8 @@ from queryqueue.engine.errors import (
     ExclusiveAccessError,
     ExternalIdConflictError,
     InvalidCommandError,
-    StoreError,
 )
+from queryqueue.engine.group_commit import GroupCommit
 from queryqueue.engine.lanes import OffLoop
 from queryqueue.engine.listing import ListingCommands
 from queryqueue.engine.records import (
@@ -57,7 +57,7 @@ T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
 
 
-class QueueStore(OffLoop, ListingCommands, RetrieveNext):
+class QueueStore(GroupCommit, OffLoop, ListingCommands, RetrieveNext):
     """The QUEUE command set. Subclasses implement `_atomic()` and `close()` only."""
 
     shared = False  # read by other hosts' supervisors too (results must live in it)
@@ -78,26 +78,6 @@ class QueueStore(OffLoop, ListingCommands, RetrieveNext):
 
     @abstractmethod
     def close(self) -> None: ...
-
-    def batch(self, prefix: str | None = None) -> AbstractContextManager[None]:
-        """Group commit: one transaction, each command in it atomic on its own; `prefix`: what
-        most are about. Waiters wake once it committed. A store in memory needs none."""
-        return nullcontext()
-
-    def batched(
-        self, work: Callable[[], T], undo: Callable[[T], object], prefix: str | None = None
-    ) -> T:
-        """`work()` in one `batch`; not committed: `undo(what work returned)`, StoreError.
-        A store that re-runs a lost batch whole (nothing happened) overrides this."""
-        done: list[T] = []
-        try:
-            with self.batch(prefix):
-                done.append(work())
-        except StoreError:
-            for what in done:
-                undo(what)
-            raise
-        return done[0]
 
     def _run_command(self, run: Callable[[], T]) -> T:
         """Every command runs through here (the command table's decorator): a store that

@@ -1110,6 +1110,7 @@ class QueueServer:
         self, batch: list[_Request]
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         answers: list[tuple[bool, Any]] = []
+        self.store.expect((r.method, r.args) for r in batch if r.refused is None)
         try:
             return self._attempt_into(batch, answers)
         except BaseException:

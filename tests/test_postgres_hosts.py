@@ -880,6 +880,89 @@ def test_an_adds_reads_go_to_the_database_together(monkeypatch: pytest.MonkeyPat
         store.close()
 
 
+def test_a_batchs_acks_by_id_are_read_with_its_first_statements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The supervisor tells a batch what it will run (`expect`): the items its ACKs by
+    queue id ask for are read right after the batch's prefix lock, so the ACKs wait for
+    their reads together with the first command that waits: two waits for the database
+    before the COMMIT here (the first ACK's, the ADD's reads), not three."""
+    from psycopg import _pipeline_base
+
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        store.ack(store.add("p:warm", "{}").id, None)  # the first ACK's purge, done
+        a, b = store.add("p:a", "{}").id, store.add("p:b", "{}").id
+        store.retrieve("p:a")
+        store.retrieve("p:b")
+        events = _recording(store, monkeypatch)
+        fetch = _pipeline_base.BasePipeline._fetch_gen
+
+        def waited(self: Any, *args: Any, flush: bool = False) -> Any:
+            if flush:  # an answer not in yet: sent what is queued and waits for it
+                events.append("<wait>")
+            return fetch(self, *args, flush=flush)
+
+        monkeypatch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", waited)
+
+        def work() -> list[Any]:
+            store.expect([("ack", (a, '"ra"')), ("add", ("p:c", "{}")), ("ack", (b, "null"))])
+            return [store.ack(a, '"ra"'), store.add("p:c", "{}"), store.ack(b, None)]
+
+        answers = store.batched(work, lambda _: None, prefix="p")
+        monkeypatch.undo()
+        assert [answers[0].success, answers[1].added, answers[2].success] == [True] * 3
+        before_commit = events[: events.index("COMMIT")]
+        sent_first = before_commit[: before_commit.index("<wait>")]
+        assert len([s for s in sent_first if "WHERE id = %s AND prefix = %s" in s]) == 2
+        assert before_commit.count("<wait>") == 2, before_commit
+        assert store.result(a) is not None
+        assert [row.id for row in store.pending("p")] == ["c"] and not store.active("p")
+    finally:
+        store.close()
+
+
+def test_an_item_read_ahead_and_changed_in_the_batch_is_read_again() -> None:
+    """What a batch read ahead for an ACK is as it was before the batch's commands ran:
+    one that changed the item first (a RETRIEVE that made it active, an ACK before it)
+    has the ACK read it again, so the answers and counts are those of the commands run
+    one by one (the in-memory store's)."""
+    from queryqueue.engine.clock import ManualClock
+    from queryqueue.engine.memory_store import MemoryQueueStore
+    from tests.postgres_util import postgres_store
+
+    model = MemoryQueueStore(clock=ManualClock())
+    store = postgres_store(clock=model.clock)
+    try:
+        for target in (model, store):
+            for key in ("p:a", "p:b", "p:c"):
+                target.add(key, "{}")
+            target.retrieve("p:c")
+        script: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+            ("retrieve", ("p:a",), {"concurrency": 5}),
+            ("ack", (1, '"r"'), {}),  # p:a: active now, not pending as read ahead
+            ("ack", (2, '"r"'), {}),
+            ("ack", (2, '"again"'), {}),  # gone: not found
+            ("heartbeat", (3,), {}),
+            ("ack", (3, None), {}),
+        ]
+        expected = [getattr(model, name)(*args, **kw) for name, args, kw in script]
+
+        def work() -> list[Any]:
+            store.expect([(name, args) for name, args, _ in script])
+            return [getattr(store, name)(*args, **kw) for name, args, kw in script]
+
+        assert store.batched(work, lambda _: None, prefix="p") == expected
+        assert store.result(2) == model.result(2)
+        # The counts each store keeps (a stale read counted p:a as pending when it went).
+        assert store.add("p:d", "{}") == model.add("p:d", "{}")
+        assert store.retrieve("p:d") == model.retrieve("p:d")
+    finally:
+        store.close()
+
+
 def test_an_add_takes_an_id_ahead_only_when_it_inserts() -> None:
     """The id a pipelined ADD takes with its reads (`nextval`, never rolled back) is taken
     only when the ADD inserts: joining an item, joining an unread result (its external id

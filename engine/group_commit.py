@@ -1,0 +1,42 @@
+"""Group commit: the commands a supervisor's loop turn gathered, run as one transaction.
+
+A base of `QueueStore`. A store in memory needs none of it (every command is atomic on
+its own and nothing is written); SQLite and PostgreSQL share one transaction, and one
+COMMIT, among a batch's commands, each atomic on its own within it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar
+
+from queryqueue.engine.errors import StoreError
+
+T = TypeVar("T")
+
+
+class GroupCommit:
+    def batch(self, prefix: str | None = None) -> AbstractContextManager[None]:
+        """Group commit: one transaction, each command in it atomic on its own; `prefix`: what
+        most are about. Waiters wake once it committed. A store in memory needs none."""
+        return nullcontext()
+
+    def batched(
+        self, work: Callable[[], T], undo: Callable[[T], object], prefix: str | None = None
+    ) -> T:
+        """`work()` in one `batch`; not committed: `undo(what work returned)`, StoreError.
+        A store that re-runs a lost batch whole (nothing happened) overrides this."""
+        done: list[T] = []
+        try:
+            with self.batch(prefix):
+                done.append(work())
+        except StoreError:
+            for what in done:
+                undo(what)
+            raise
+        return done[0]
+
+    def expect(self, commands: Iterable[tuple[str, Sequence[Any]]]) -> None:
+        """The commands (name, positional arguments) a `batch` is about to run, in order:
+        a store whose reads cost a round trip each may send some ahead, together. A hint:
+        each command still runs and reads as it would without it."""
