@@ -908,7 +908,7 @@ def test_a_batchs_acks_by_id_are_read_with_its_first_statements(
         monkeypatch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", waited)
 
         def work() -> list[Any]:
-            store.expect([("ack", (a, '"ra"')), ("add", ("p:c", "{}")), ("ack", (b, "null"))])
+            store.expect([("ack", (a, '"ra"')), ("add", ("p:c", "{}")), ("ack", (b, None))])
             return [store.ack(a, '"ra"'), store.add("p:c", "{}"), store.ack(b, None)]
 
         answers = store.batched(work, lambda _: None, prefix="p")

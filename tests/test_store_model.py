@@ -7,6 +7,7 @@ every step.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -207,42 +208,71 @@ TestPostgresAgrees = PostgresAgrees.TestCase
 TestPostgresAgrees.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 
 
+# A batch adds a few items: ids past them would find nothing, and test little.
+queue_ids_of_a_batch = st.integers(min_value=1, max_value=8)
+batch_keys = st.one_of(paths, queue_ids_of_a_batch)
+add_options = st.fixed_dictionaries(
+    {}, optional={"external_id": st.sampled_from(EXTERNAL_IDS), "if_no_result": st.booleans()}
+)
 command_lists = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), paths, payloads),
-        st.tuples(st.just("retrieve"), queue_keys, st.integers(1, 3)),
-        st.tuples(st.just("add_and_retrieve"), paths, st.integers(1, 3)),
-        st.tuples(st.just("ack"), queue_keys, st.sampled_from([None, '{"r":1}'])),
-        st.tuples(st.just("cancel"), queue_keys),
+        st.tuples(st.just("add"), paths, payloads, add_options),
+        st.tuples(st.just("retrieve"), batch_keys, st.integers(1, 3)),
+        st.tuples(st.just("add_and_retrieve"), paths, st.integers(1, 3), add_options),
+        st.tuples(st.just("ack"), batch_keys, st.sampled_from([None, '{"r":1}'])),
+        st.tuples(st.just("cancel"), batch_keys),
         st.tuples(st.just("active"), st.sampled_from(PREFIXES)),
+        st.tuples(st.just("result"), paths),
+        st.tuples(st.just("heartbeat"), batch_keys),
+        # What a supervisor's batches are made of: its workers' ACKs, by queue id.
+        st.tuples(st.just("ack"), queue_ids_of_a_batch, st.just('{"r":2}')),
+        st.tuples(st.just("retrieve"), queue_ids_of_a_batch, st.integers(1, 3)),
     ),
     min_size=1,
     max_size=25,
 )
 
 
-def _run_all(store: QueueStore, commands: list[tuple[Any, ...]]) -> list[Any]:
-    answers = []
+# What the batch finds: a few items, some of them active.
+setup_lists = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), paths, st.just("{}"), add_options),
+        st.tuples(st.just("retrieve"), batch_keys, st.integers(1, 3)),
+    ),
+    min_size=2,
+    max_size=10,
+)
+
+
+def _calls(commands: list[tuple[Any, ...]]) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+    """Each command as the store method's call: its name, arguments and keywords."""
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
     for command in commands:
-        if command[0] == "add_and_retrieve":
-            answers.append(call(store, "add_and_retrieve", command[1], "{}", command[2]))
-        elif command[0] == "retrieve":
-            answers.append(call(store, "retrieve", command[1], concurrency=command[2]))
-        elif command[0] == "active":
-            answers.append(call(store, "active", command[1]))
+        name = command[0]
+        if name == "add":
+            calls.append((name, (command[1], command[2]), command[3]))
+        elif name == "add_and_retrieve":
+            calls.append((name, (command[1], "{}", command[2]), command[3]))
+        elif name == "retrieve":
+            calls.append((name, (command[1],), {"concurrency": command[2]}))
         else:
-            answers.append(call(store, *command))
-    return answers
+            calls.append((name, tuple(command[1:]), {}))
+    return calls
 
 
-@settings(max_examples=30, deadline=None)
-@given(commands=command_lists, prefix=st.sampled_from([None, "a"]))
+def _run_all(store: QueueStore, commands: list[tuple[Any, ...]]) -> list[Any]:
+    return [call(store, name, *args, **kwargs) for name, args, kwargs in _calls(commands)]
+
+
+@settings(max_examples=int(os.environ.get("QQ_BATCH_EXAMPLES", "30")), deadline=None)
+@given(before=setup_lists, commands=command_lists, prefix=st.sampled_from([None, "a"]))
 def test_a_batch_answers_as_its_commands_one_by_one(
-    commands: list[tuple[Any, ...]], prefix: str | None
+    before: list[tuple[Any, ...]], commands: list[tuple[Any, ...]], prefix: str | None
 ) -> None:
-    """A store that batches (and keeps what it read of a locked prefix within a batch)
-    answers a sequence of commands run as one batch exactly as the model answers them
-    one by one, and commits the same state."""
+    """A store that batches (and keeps what it read of a locked prefix within a batch,
+    or read ahead what the batch's commands will ask for) answers a sequence of commands
+    run as one batch, on the state other commands left, exactly as the model answers
+    them one by one, and commits the same state."""
     model = MemoryQueueStore(clock=ManualClock(), result_ttl_ms=5_000)
     with tempfile.TemporaryDirectory() as tmp:
         batching: list[QueueStore] = [
@@ -251,16 +281,30 @@ def test_a_batch_answers_as_its_commands_one_by_one(
         if postgres_unavailable() is None:
             batching.append(postgres_store(clock=model.clock, result_ttl_ms=5_000))
         try:
+            # Items 1 to 4 in prefix "a", then what `before` does: a batch's ACKs by id
+            # (1 to 8) find what they ask for.
+            before = [("add", f"a:k{n}", "{}", {}) for n in range(1, 5)] + before
+            for store in (model, *batching):
+                _run_all(store, before)
             expected = _run_all(model, commands)
             for store in batching:
                 got = _batched(store, commands, prefix)
                 assert got == expected, type(store).__name__
                 for p in PREFIXES:
                     assert store.list_items(p) == model.list_items(p)
+            for p in PREFIXES:  # the counts each store keeps, as the next commands see them
+                probe = [("add", (f"{p}:probe", "{}")), ("retrieve", (f"{p}:probe",))]
+                answers = [call(model, name, *args) for name, args in probe]
+                for store in batching:
+                    assert [call(store, name, *args) for name, args in probe] == answers
         finally:
             for store in batching:
                 store.close()
 
 
 def _batched(store: QueueStore, commands: list[tuple[Any, ...]], prefix: str | None) -> list[Any]:
-    return store.batched(lambda: _run_all(store, commands), lambda _: None, prefix)
+    def work() -> list[Any]:
+        store.expect((name, args) for name, args, _ in _calls(commands))  # as a supervisor does
+        return _run_all(store, commands)
+
+    return store.batched(work, lambda _: None, prefix)
