@@ -62,6 +62,15 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX results_expire ON results (expire);
         """,
     ),
+    (
+        2,
+        """
+        -- ORPHANED reads pending items only: an item inserted active (the fast track) or
+        -- deleted active (its ACK) writes no page of this index (one WAL frame each).
+        DROP INDEX items_orphaned;
+        CREATE INDEX items_orphaned ON items (prefix, orphaned, created) WHERE status = 0;
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

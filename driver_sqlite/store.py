@@ -228,13 +228,15 @@ class SqliteTransaction:
 
     def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
         # Two index ranges on items_orphaned; NULL deadlines never satisfy `orphaned < ?`.
+        # The status is written out: a partial index serves only a WHERE that says its
+        # own (a bound parameter does not); INDEXED BY, or the planner may walk PENDING.
         rows = self._c.execute(
-            f"SELECT {ITEM_COLUMNS} FROM items"
-            " WHERE prefix = ? AND status = ? AND orphaned < ?"
-            f" UNION ALL SELECT {ITEM_COLUMNS} FROM items"
-            " WHERE prefix = ? AND status = ? AND orphaned IS NULL AND created < ?"
+            f"SELECT {ITEM_COLUMNS} FROM items INDEXED BY items_orphaned"
+            f" WHERE prefix = ? AND status = {PENDING} AND orphaned < ?"
+            f" UNION ALL SELECT {ITEM_COLUMNS} FROM items INDEXED BY items_orphaned"
+            f" WHERE prefix = ? AND status = {PENDING} AND orphaned IS NULL AND created < ?"
             " ORDER BY priority DESC, id",
-            (prefix, PENDING, now, prefix, PENDING, now - orphaned_timeout_ms),
+            (prefix, now, prefix, now - orphaned_timeout_ms),
         )
         return [item_from_row(row) for row in rows]
 

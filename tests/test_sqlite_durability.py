@@ -154,6 +154,38 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         SqliteQueueStore(db)
 
 
+def test_a_version_1_database_is_migrated_and_its_pending_items_still_orphan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 2 makes items_orphaned partial (pending items only: an item inserted or
+    deleted active writes no page of it). Items written at version 1 are there after the
+    upgrade, and ORPHANED still finds the pending ones, by their deadline or by age."""
+    from queryqueue.driver_sqlite import schema
+    from queryqueue.engine.clock import ManualClock
+
+    db = tmp_path / "queue.db"
+    clock = ManualClock(1_000_000)
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+    monkeypatch.setattr(schema, "LATEST_VERSION", 1)
+    store = SqliteQueueStore(db, clock=clock)
+    store.add("p:own", "{}", orphaned=5)  # its own deadline: 5 s
+    store.add("p:old", "{}")  # by age
+    store.add("p:run", "{}")
+    store.retrieve("p:run")
+    store.close()
+    monkeypatch.undo()
+    clock.advance(10_000)
+    store = SqliteQueueStore(db, clock=clock)
+    try:
+        version = store._conn.execute("PRAGMA user_version").fetchone()[0]
+        assert version == schema.LATEST_VERSION == 2
+        assert [r.id for r in store.orphaned(60_000, "p")] == ["own"]
+        assert [r.id for r in store.orphaned(5_000, "p")] == ["own", "old"]
+        assert [r.id for r in store.active("p")] == ["run"]
+    finally:
+        store.close()
+
+
 def test_reopening_keeps_state_and_id_sequence(tmp_path: Path) -> None:
     db = tmp_path / "queue.db"
     store = SqliteQueueStore(db)
