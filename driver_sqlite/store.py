@@ -2,8 +2,9 @@
 
 All SQL lives in this module: one connection with `isolation_level=None`, one `_atomic()`
 (BEGIN IMMEDIATE, ROLLBACK that keeps the original error), prepared statements reused
-through the connection's statement cache, counters instead of `count(*)`. The WAL is
-checkpointed by `checkpoints.Checkpointer`, on a thread and a connection of its own.
+through the connection's statement cache, counters instead of `count(*)`, kept in memory
+(`SqliteQueueStore._stored`). The WAL is checkpointed by `checkpoints.Checkpointer`, on a
+thread and a connection of its own.
 
 Durability: `synchronous=NORMAL` (default) survives a `kill -9` of any process — a commit
 is in the WAL before the command answers — and can lose the last transactions only on
@@ -112,10 +113,15 @@ class SqliteTransaction:
     write calls `_write()` first, so a command that only reads opens none."""
 
     def __init__(
-        self, conn: sqlite3.Connection, counts: CountChanges, savepoint: _Savepoint | None = None
+        self,
+        conn: sqlite3.Connection,
+        counts: CountChanges,
+        stored: dict[str, tuple[int, int]],
+        savepoint: _Savepoint | None = None,
     ) -> None:
         self._c = conn
         self._counts = counts
+        self._stored = stored  # the counters as last committed (read only here)
         self._savepoint = savepoint
 
     def _write(self) -> None:
@@ -161,7 +167,7 @@ class SqliteTransaction:
 
     def _count(self, prefix: str, pending: int, active: int) -> None:
         self._write()
-        self._counts.count(prefix, pending, active)  # written as the transaction commits
+        self._counts.count(prefix, pending, active)  # kept as the transaction commits
 
     def activate(self, item: Item, now: int, extra: str | None) -> None:
         self._write()
@@ -195,8 +201,7 @@ class SqliteTransaction:
         known = self._counts.counts.get(prefix)
         if known is not None:
             return known
-        row = self._one("SELECT pending, active FROM prefix_counts WHERE prefix = ?", (prefix,))
-        return self._counts.stored(prefix, row)
+        return self._counts.stored(prefix, self._stored.get(prefix))
 
     def active_keys(self, prefix: str) -> list[str]:
         rows = self._c.execute(
@@ -314,10 +319,7 @@ class SqliteTransaction:
         oldest = dict(
             self._c.execute("SELECT prefix, min(created) FROM items GROUP BY prefix").fetchall()
         )
-        stored = {
-            row[0]: row[1:]
-            for row in self._c.execute("SELECT prefix, pending, active FROM prefix_counts")
-        }
+        stored = self._stored
         counted = [
             (prefix, *self._counts.stored(prefix, stored.get(prefix)))
             for prefix in sorted(stored.keys() | self._counts.deltas.keys())
@@ -343,8 +345,10 @@ class SqliteTransaction:
         # DELETE rather than DROP: AUTOINCREMENT keeps counting, so ids are never reused.
         self._c.execute("DELETE FROM items")
         self._c.execute("DELETE FROM results")
-        self._c.execute("DELETE FROM prefix_counts")
         self._counts.forget()
+        for prefix, (pending, active) in self._stored.items():  # all back to zero
+            self._counts.stored(prefix, (pending, active))
+            self._counts.count(prefix, -pending, -active)
 
 
 class SqliteQueueStore(QueueStore):
@@ -373,6 +377,12 @@ class SqliteQueueStore(QueueStore):
         self._guarded = True
         self._deferred: list[Callable[[], object]] = []
         self._counts = CountChanges()  # the current transaction's (`_begin`)
+        # Each prefix's counters (pending, active) as last committed: counted once, then
+        # kept as each transaction commits (a table of them cost a statement and a WAL
+        # frame a transaction). Counted again when another connection wrote (`_begin`).
+        self._stored: dict[str, tuple[int, int]] = {}
+        self._data_version: int | None = None
+        self.recounts = 0
         try:
             self._conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, cached_statements=256
@@ -413,32 +423,44 @@ class SqliteQueueStore(QueueStore):
             self.checkpointer.fold(self._conn)
         try:
             self._conn.execute("BEGIN IMMEDIATE")
+            # Changed only by another connection's commit (this one's own do not change it).
+            (version,) = self._conn.execute("PRAGMA data_version").fetchone()
+            if version != self._data_version:
+                self._stored = self._count_items()
+                self._data_version = version
         except sqlite3.Error as exc:
+            with suppress(sqlite3.Error):
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
             raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
         self._counts = CountChanges()
 
+    def _count_items(self) -> dict[str, tuple[int, int]]:
+        """Each prefix's counters, counted (at open, and after another connection wrote:
+        the one place a backlog is counted)."""
+        self.recounts += 1
+        rows = self._conn.execute(
+            f"SELECT prefix, sum(status = {PENDING}), sum(status = {ACTIVE}) FROM items"
+            " GROUP BY prefix"
+        )
+        return {prefix: (int(pending), int(active)) for prefix, pending, active in rows}
+
     def _commit(self) -> None:
-        self._flush_counts()
+        changed = self._counts.take_changes()
+        if changed and not self._conn.in_transaction:
+            # SQLite rolled the transaction back (a full disk, say): COMMIT would fail
+            # anyway; what it counted must not be kept.
+            raise sqlite3.OperationalError("the transaction was rolled back before its COMMIT")
         self._conn.execute("COMMIT")
         self.checkpointer.dirty = True
-
-    def _flush_counts(self) -> None:
-        """The transaction's counter changes, once per prefix, just before its COMMIT:
-        under the throughput benchmark's load three statements a query fewer than an
-        upsert per item changed."""
-        changed = self._counts.take_changes()
-        if not changed:
-            return
-        if not self._conn.in_transaction:
-            # SQLite rolled the transaction back (a full disk, say): written now, the counts
-            # would commit on their own, apart from the items they count.
-            raise sqlite3.OperationalError("the transaction was rolled back before its COMMIT")
-        self._conn.executemany(
-            "INSERT INTO prefix_counts (prefix, pending, active) VALUES (?, ?, ?)"
-            " ON CONFLICT (prefix) DO UPDATE SET pending = pending + excluded.pending,"
-            " active = active + excluded.active",
-            changed,
-        )
+        stored = self._stored
+        for prefix, pending, active in changed:
+            was = stored.get(prefix, (0, 0))
+            now = (was[0] + pending, was[1] + active)
+            if now == (0, 0):
+                stored.pop(prefix, None)
+            else:
+                stored[prefix] = now
 
     @contextmanager
     def _atomic(self) -> Iterator[SqliteTransaction]:
@@ -447,7 +469,7 @@ class SqliteQueueStore(QueueStore):
             with self._lock:
                 savepoint = _Savepoint(self._conn, self.path, self._counts, guarded=self._guarded)
                 try:
-                    yield SqliteTransaction(self._conn, self._counts, savepoint)
+                    yield SqliteTransaction(self._conn, self._counts, self._stored, savepoint)
                 except _Redo:
                     raise
                 except BaseException as exc:
@@ -460,7 +482,7 @@ class SqliteQueueStore(QueueStore):
         with self._lock:
             self._begin()
             try:
-                yield SqliteTransaction(self._conn, self._counts)
+                yield SqliteTransaction(self._conn, self._counts, self._stored)
             except BaseException as exc:
                 with suppress(sqlite3.Error):  # the original error is the one worth reporting
                     self._conn.execute("ROLLBACK")

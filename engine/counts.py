@@ -1,9 +1,9 @@
 """A transaction's view of the per-prefix counters (pending, active) of a SQL store.
 
-Both SQL stores keep them in a `prefix_counts` table so that no command counts a
-backlog, and both write a transaction's changes to it once per prefix as it commits,
-not once per item changed. What they share is this bookkeeping; the SQL that reads and
-writes the table stays in each store.
+No command counts a backlog: PostgreSQL keeps the counters in a `prefix_counts` table
+(several hosts write it), SQLite in its one writer's memory (counted as it opens, and
+again after another connection wrote). Both apply a transaction's changes once per
+prefix as it commits, not once per item changed. What they share is this bookkeeping.
 """
 
 from __future__ import annotations

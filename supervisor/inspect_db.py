@@ -47,7 +47,7 @@ def open_read_only(db: Path) -> Any:
         if "locked" not in str(exc):
             raise SystemExit(f"queryqueue: cannot read {db}: {exc}") from None
         raise SystemExit(_HELD.format(db=db)) from None  # a writer in exclusive locking mode
-    missing = {"items", "results", "prefix_counts"} - tables
+    missing = {"items", "results"} - tables
     if missing:
         conn.close()
         raise SystemExit(f"queryqueue: {db} is not a queue database (no {', '.join(missing)})")
@@ -102,9 +102,13 @@ def rows(
 
 
 def summary(database: Any) -> list[dict[str, Any]]:
+    # Counted from the items: the supervisor keeps its counters in memory.
     return [
-        {"prefix": row["prefix"], "pending": row["pending"], "active": row["active"]}
-        for row in database["prefix_counts"].rows_where(order_by="prefix")
+        {"prefix": prefix, "pending": pending, "active": active}
+        for prefix, pending, active in database.execute(
+            "SELECT prefix, sum(status = 0), sum(status = 1) FROM items"
+            " GROUP BY prefix ORDER BY prefix"
+        ).fetchall()
     ]
 
 
