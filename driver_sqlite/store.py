@@ -203,9 +203,13 @@ class SqliteTransaction:
             return known
         return self._counts.stored(prefix, self._stored.get(prefix))
 
+    # A status in a WHERE is written out, never bound: items_orphaned is partial (status
+    # 0), and a bound value that might decide whether it serves has SQLite prepare the
+    # statement again at every run (10.9 us this one, 4.6 us written out).
+
     def active_keys(self, prefix: str) -> list[str]:
         rows = self._c.execute(
-            "SELECT key FROM items WHERE prefix = ? AND status = ? ORDER BY id", (prefix, ACTIVE)
+            f"SELECT key FROM items WHERE prefix = ? AND status = {ACTIVE} ORDER BY id", (prefix,)
         )
         return [row[0] for row in rows]
 
@@ -222,8 +226,7 @@ class SqliteTransaction:
         where = "prefix = ? AND (exclusive = 0 OR process_id IS ?)"
         params: list[Any] = [prefix, process_id]
         if status is not None:
-            where += " AND status = ?"
-            params.append(STATUS_CODE[status])
+            where += f" AND status = {STATUS_CODE[status]}"
         order = "id" if status == "active" else "priority DESC, id"
         sql = f"SELECT {columns} FROM items WHERE {where} ORDER BY {order}"
         if limit is not None:
@@ -233,8 +236,7 @@ class SqliteTransaction:
 
     def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
         # Two index ranges on items_orphaned; NULL deadlines never satisfy `orphaned < ?`.
-        # The status is written out: a partial index serves only a WHERE that says its
-        # own (a bound parameter does not); INDEXED BY, or the planner may walk PENDING.
+        # INDEXED BY, or the planner may walk PENDING instead.
         rows = self._c.execute(
             f"SELECT {ITEM_COLUMNS} FROM items INDEXED BY items_orphaned"
             f" WHERE prefix = ? AND status = {PENDING} AND orphaned < ?"
@@ -248,8 +250,9 @@ class SqliteTransaction:
     def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
         rows = self._c.execute(
             f"SELECT {ITEM_COLUMNS} FROM items"
-            " WHERE prefix = ? AND status = ? AND coalesce(heartbeat, created) < ? ORDER BY id",
-            (prefix, ACTIVE, now - heartbeat_timeout_ms),
+            f" WHERE prefix = ? AND status = {ACTIVE} AND coalesce(heartbeat, created) < ?"
+            " ORDER BY id",
+            (prefix, now - heartbeat_timeout_ms),
         )
         return [item_from_row(row) for row in rows]
 
@@ -334,7 +337,7 @@ class SqliteTransaction:
 
     def refresh_active_heartbeats(self, now: int) -> int:
         self._write()
-        cursor = self._c.execute("UPDATE items SET heartbeat = ? WHERE status = ?", (now, ACTIVE))
+        cursor = self._c.execute(f"UPDATE items SET heartbeat = ? WHERE status = {ACTIVE}", (now,))
         return cursor.rowcount
 
     def acked(self, item: Item, result: str | None) -> None:
