@@ -315,6 +315,11 @@ class PostgresTransaction:
         # commands, each dropped once a command changes its item (it would be stale).
         self._foreseen = foreseen if foreseen is not None else {}
 
+    def _write_item(self, item: Item, query: str, params: tuple[Any, ...]) -> psycopg.Cursor[Any]:
+        """A write to `item`'s row: what the batch read of it ahead is stale from now on."""
+        self._foreseen.pop(item.id, None)
+        return self._write(query, params)
+
     def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
         """A statement that changes data: the transaction then has an id to look up
         should its COMMIT's answer be lost (see `PostgresQueueStore._atomic`)."""
@@ -479,8 +484,8 @@ class PostgresTransaction:
 
     def activate(self, item: Item, now: int, extra: str | None) -> None:
         self._settle()
-        self._foreseen.pop(item.id, None)
-        self._write(
+        self._write_item(
+            item,
             "UPDATE items SET status = %s, heartbeat = %s, extra = %s WHERE id = %s",
             (ACTIVE, now, extra, item.id),
         )
@@ -488,21 +493,19 @@ class PostgresTransaction:
         self.known.activated(item)
 
     def set_heartbeat(self, item: Item, now: int) -> None:
-        self._foreseen.pop(item.id, None)
-        self._write("UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
+        self._write_item(item, "UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
 
     def set_orphaned(self, item: Item, deadline: int) -> None:
-        self._foreseen.pop(item.id, None)
-        self._write("UPDATE items SET orphaned = %s WHERE id = %s", (deadline, item.id))
+        self._write_item(item, "UPDATE items SET orphaned = %s WHERE id = %s", (deadline, item.id))
 
     def set_extra(self, item: Item, extra: str | None) -> None:
-        self._foreseen.pop(item.id, None)
-        self._write("UPDATE items SET extra = %s WHERE id = %s", (extra, item.id))
+        self._write_item(item, "UPDATE items SET extra = %s WHERE id = %s", (extra, item.id))
 
     def delete(self, item: Item) -> None:
         self._settle()
-        self._foreseen.pop(item.id, None)
-        cursor = self._write("DELETE FROM items WHERE id = %s RETURNING txid_current()", (item.id,))
+        cursor = self._write_item(
+            item, "DELETE FROM items WHERE id = %s RETURNING txid_current()", (item.id,)
+        )
         if self.xid is None:
             self.xid_cursors.append(cursor)
         if item.status == "pending":

@@ -83,6 +83,12 @@ MIGRATIONS: list[tuple[int, str]] = [
 
 LATEST_VERSION = MIGRATIONS[-1][0]
 
+# Each prefix's counters, counted from its items: the store as it opens (it keeps them
+# in memory from then on), and `queryqueue inspect`.
+COUNT_BY_PREFIX = (
+    f"SELECT prefix, sum(status = {PENDING}), sum(status = {ACTIVE}) FROM items GROUP BY prefix"
+)
+
 
 def migrate(conn: sqlite3.Connection) -> int:
     """Bring the database to LATEST_VERSION; returns the version found before."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from queryqueue.driver_sqlite.checkpoints import Checkpointer
-from queryqueue.driver_sqlite.schema import ACTIVE, PENDING, migrate
+from queryqueue.driver_sqlite.schema import ACTIVE, COUNT_BY_PREFIX, PENDING, migrate
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import StoreError
@@ -442,18 +442,12 @@ class SqliteQueueStore(QueueStore):
         """Each prefix's counters, counted (at open, and after another connection wrote:
         the one place a backlog is counted)."""
         self.recounts += 1
-        rows = self._conn.execute(
-            f"SELECT prefix, sum(status = {PENDING}), sum(status = {ACTIVE}) FROM items"
-            " GROUP BY prefix"
-        )
+        rows = self._conn.execute(COUNT_BY_PREFIX)
         return {prefix: (int(pending), int(active)) for prefix, pending, active in rows}
 
     def _commit(self) -> None:
         changed = self._counts.take_changes()
-        if changed and not self._conn.in_transaction:
-            # SQLite rolled the transaction back (a full disk, say): COMMIT would fail
-            # anyway; what it counted must not be kept.
-            raise sqlite3.OperationalError("the transaction was rolled back before its COMMIT")
+        # Kept once COMMIT succeeded: one SQLite rolled back itself (a full disk) fails.
         self._conn.execute("COMMIT")
         self.checkpointer.dirty = True
         stored = self._stored

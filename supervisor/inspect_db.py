@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from queryqueue.driver_sqlite.schema import COUNT_BY_PREFIX
 from queryqueue.supervisor import guard
 from queryqueue.supervisor.tables import table
 
@@ -105,10 +106,7 @@ def summary(database: Any) -> list[dict[str, Any]]:
     # Counted from the items: the supervisor keeps its counters in memory.
     return [
         {"prefix": prefix, "pending": pending, "active": active}
-        for prefix, pending, active in database.execute(
-            "SELECT prefix, sum(status = 0), sum(status = 1) FROM items"
-            " GROUP BY prefix ORDER BY prefix"
-        ).fetchall()
+        for prefix, pending, active in sorted(database.execute(COUNT_BY_PREFIX).fetchall())
     ]
 
 
