@@ -101,6 +101,13 @@ class Executor:
                 self.queue.events.emit(ev.QUEUE_STORAGE_ERROR, {**context, "error": repr(exc)})
         return True
 
+    def running(self, query_key_hash: str) -> QueueId | None:
+        """The queue id of the execution of this query here, if one runs."""
+        return next(
+            (q for q, e in self.executions.items() if e.retrieved.query_key_hash == query_key_hash),
+            None,
+        )
+
     async def _outcome(self, execution: _Execution, context: dict[str, Any]) -> Outcome:
         """Run the handler, heartbeating meanwhile; its outcome as the JSON text to ACK."""
         retrieved = execution.retrieved

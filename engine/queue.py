@@ -48,6 +48,9 @@ REAP_INTERVAL_MS = 1000
 
 
 class QueryQueue:
+    # Set by a supervisor's pool: the ids it holds for live workers, which are never stalled.
+    held_here: Callable[[QueueId], bool] | None = None
+
     def __init__(
         self,
         prefix: str,
@@ -248,6 +251,11 @@ class QueryQueue:
         await asyncio.gather(*(self.process_query(h, q) for h, q in mine))
 
     async def _remove_orphaned(self, query_key_hash: str, queue_id: QueueId) -> None:
+        if queue_id in self.executor.executions or (self.held_here and self.held_here(queue_id)):
+            # Alive here: its heartbeats were late (the store away, a lane behind), and
+            # reaping it would run it twice. Beaten now instead.
+            await self.connection.update_heartbeat(query_key_hash, queue_id)
+            return
         query_def = await self.connection.get_query_and_remove(query_key_hash, queue_id)
         if query_def is None:
             return
@@ -355,14 +363,7 @@ class QueryQueue:
         query_def = await self.connection.cancel_query(query_key_hash, queue_id, encode_cancelled())
         if queue_id is None:
             # Cancelled by key: if it runs here, name the execution so it is stopped now.
-            queue_id = next(
-                (
-                    qid
-                    for qid, e in self.executor.executions.items()
-                    if e.retrieved.query_key_hash == query_key_hash
-                ),
-                None,
-            )
+            queue_id = self.executor.running(query_key_hash)
         if query_def is not None:
             self.events.emit(
                 ev.CANCELLING_MANUAL,

@@ -158,6 +158,7 @@ class WorkerPool:
             send_process_message_fn=self._hand_off,
             process_uid=f"supervisor-{os.getpid()}",
         )
+        self.queue.held_here = self.alive
         # Beat as often as the app's executors would, so no held item ever looks stalled.
         options = app.queue_options
         self.heartbeat_interval = min(
@@ -346,7 +347,13 @@ class WorkerPool:
         if self.queue is not None and not self._stopping:
             task = asyncio.ensure_future(self.queue.reconcile_queue())
             self._cancelling.add(task)
-            task.add_done_callback(self._cancelling.discard)
+            task.add_done_callback(self._reconciled)
+
+    def _reconciled(self, task: asyncio.Task[None]) -> None:
+        self._cancelling.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # The store away: the next ADD, ACK or heartbeat round reconciles again.
+            _log.warning("reconciling the pool's queue failed: %s", exc)
 
     async def _hand_off(self, retrieved: RetrievedQuery) -> None:
         assert self.queue is not None
@@ -403,6 +410,17 @@ class WorkerPool:
                 if held is not None and key in (held.queue_id, held.path):
                     return held
         return None
+
+    def alive(self, queue_id: QueueId) -> bool:
+        """Whether this pool holds the item for a live worker, or to hand to one: its
+        heartbeats come from here, so a stale one in the store means they were late (the
+        store away, a lane behind), never that its executor died (a dead worker's item is
+        reclaimed at once). Its reaper leaves such an item alone (`QueryQueue.held_here`)."""
+        job = self._job(queue_id)
+        if job is None or job.removed_at is not None or job.timed_out:
+            return False
+        worker = next((w for w in self._workers if job is w.job), None)
+        return worker is None or worker.process.is_alive()
 
     def acked(self, key: QueueKey) -> None:
         """An ACK by `key` was answered: the ACK is the last a worker does for a query,
@@ -614,6 +632,7 @@ class WorkerPool:
         workers that still run an item someone removed (cancelled, timed out, reaped), and
         enforce the execution timeout on workers that cannot enforce it themselves."""
         loop_time = asyncio.get_running_loop().time()
+        running: list[tuple[_Worker, _Job]] = []
         for worker in list(self._workers):
             if await self._overdue(worker, loop_time):
                 continue
@@ -628,10 +647,17 @@ class WorkerPool:
                 worker.draining_since = None
                 worker.process.kill()
                 continue
-            job = worker.job
-            if job is None or not worker.process.is_alive():
-                continue
-            if await self._heartbeat(job.queue_id):
+            if worker.job is not None and worker.process.is_alive():
+                running.append((worker, worker.job))
+        waiting = [*self._backlog, *(w.next for w in self._workers if w.next is not None)]
+        # All at once, each on a free lane: one held up (a lane still reconnecting after
+        # an outage) delays no other item's heartbeat past the stall timeout.
+        beaten = await asyncio.gather(
+            *(self._heartbeat(job.queue_id) for _, job in running),
+            *(self._heartbeat(job.queue_id) for job in waiting),
+        )
+        for (worker, job), kept in zip(running, beaten, strict=False):
+            if kept or worker.job is not job:  # beaten, or ended meanwhile (its ACK)
                 continue
             # Removed from the queue: the worker is told (its cancel handler runs there);
             # if the query has not stopped within the grace period, the process goes.
@@ -647,8 +673,6 @@ class WorkerPool:
                 job.abandoned = True
                 self.terminated += 1
                 worker.process.kill()  # its exit handler replaces it
-        for job in [*self._backlog, *(w.next for w in self._workers if w.next is not None)]:
-            await self._heartbeat(job.queue_id)
 
     async def _overdue(self, worker: _Worker, loop_time: float) -> bool:
         """A query past its execution timeout and the cancel grace: the worker did not stop

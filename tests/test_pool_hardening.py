@@ -18,6 +18,7 @@ import pytest
 
 from queryqueue import (
     MemoryQueueStore,
+    QueryCancelledError,
     QueryTimeoutError,
     SocketQueueDriver,
     WorkerLostError,
@@ -361,6 +362,65 @@ async def test_a_query_sent_while_a_cancelled_handler_thread_drains_waits_for_it
         for task in (first, second):
             task.cancel()
         await asyncio.gather(first, second, return_exceptions=True)
+        await queue.shutdown(grace=0)
+        await driver.close()
+        await pool.stop(grace=0)
+        await server.stop()
+
+
+async def test_a_live_workers_query_is_not_reaped_while_its_heartbeats_cannot_land(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store loses every heartbeat (it is away for them) while the store's clock runs
+    past the stall timeout: the item looks stalled to the pool's reaper, which runs every
+    round. But the pool holds it for a live worker: not reclaimed, it runs once, and its
+    caller gets its answer."""
+    from queryqueue.engine.clock import ManualClock
+    from queryqueue.engine.errors import StoreError
+    from queryqueue.supervisor.server import QueueServer
+    from tests.apps.pool_app import app as pool_app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    clock = ManualClock()
+    store = MemoryQueueStore(clock=clock)
+    lost: list[Any] = []
+    looked: list[Any] = []
+    heartbeat, to_cancel = store.heartbeat, store.to_cancel
+
+    def away(key: Any) -> bool:
+        lost.append(key)
+        raise StoreError("the queue database went away")
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        found = to_cancel(*args, **kwargs)
+        looked.append(found)
+        return found
+
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
+    server = QueueServer(store, workdir / "s.sock", pool=pool)
+    await server.start()
+    driver = SocketQueueDriver(server.socket_path)
+    queue = pool_app.pool_queue(driver, continue_wait_timeout=30.0)
+    try:
+        await pool.start()
+        ask = asyncio.ensure_future(queue.run("sql", "late", {"key": "late", "seconds": 60.0}))
+        await wait_until(lambda: len(_starts(workdir, "late")) == 1, within=30)
+        (running,) = store.active(queue.prefix)
+        monkeypatch.setattr(store, "heartbeat", away)
+        monkeypatch.setattr(store, "to_cancel", counted)
+        clock.advance(60_000)  # far past the stall timeout (4 heartbeat intervals: 1 s)
+        assert [row.queue_id for row in store.stalled(1_000, queue.prefix)] == [running.queue_id]
+        # The reaper looked, and found the item stalled, twice.
+        await wait_until(lambda: sum(1 for found in looked if found) >= 2, within=30)
+        assert lost, "heartbeats were tried, and lost"
+        assert store.active(queue.prefix) == [running]
+        monkeypatch.setattr(store, "heartbeat", heartbeat)
+        assert (await queue.cancel_query(queue.hash_query_key("late"))) is True  # end it
+        with pytest.raises(QueryCancelledError):
+            await asyncio.wait_for(ask, 30)
+        assert len(_starts(workdir, "late")) == 1
+        assert pool.reclaimed == []
+    finally:
         await queue.shutdown(grace=0)
         await driver.close()
         await pool.stop(grace=0)

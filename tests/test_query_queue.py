@@ -1051,3 +1051,98 @@ async def test_an_execution_whose_ack_never_lands_says_so(rec: Recorder) -> None
     assert await executing is False  # the pool gives such an item back
     assert [row.queue_id for row in store.active("flaky")] == [added.id]
     await queue.close(grace=0)
+
+
+class _AwayForHeartbeats(LocalQueueDriver):
+    """A store whose heartbeats are lost while `away` (an outage, as its executors see it)."""
+
+    away = False
+
+    async def heartbeat(self, key: Any) -> bool:
+        if self.away:
+            raise StoreError("the queue database went away")
+        return await super().heartbeat(key)
+
+
+async def test_an_execution_here_whose_heartbeats_were_lost_is_beaten_not_reaped(
+    rec: Recorder,
+) -> None:
+    """Past the stall timeout without a heartbeat landing (the store was away), the item
+    this process still executes is stalled by its heartbeat alone. This process's reaper
+    knows better: it beats it rather than reclaim it (which would run it twice)."""
+    clock = ManualClock()
+    store = MemoryQueueStore(clock=clock)
+    driver = _AwayForHeartbeats(store)
+    queue = QueryQueue(
+        "hb",
+        query_handlers={"sql": rec.gated},
+        cancel_handlers={"sql": rec.cancel},
+        driver=driver,
+        clock=clock,
+        heartbeat_interval=10.0,  # stalled 40 s after its last heartbeat
+        logger=rec.log,
+    )
+    caller = asyncio.create_task(queue.execute_in_queue("sql", "late", "late"))
+    try:
+        await wait_until(lambda: rec.running == 1 and clock.sleepers == 1)
+        driver.away = True
+        for _ in range(5):  # five heartbeat periods, every heartbeat lost
+            clock.advance(10_000)
+            await wait_until(lambda: clock.sleepers == 1)
+        driver.away = False
+        (running,) = store.active("hb")
+        assert [row.queue_id for row in store.stalled(40_000, "hb")] == [running.queue_id]
+        await queue.reconcile_queue()
+        assert rec.cancelled == [] and rec.named(ev.REMOVING_ORPHANED) == []
+        assert store.stalled(40_000, "hb") == [] and store.active("hb") == [running]
+        rec.gate.set()
+        assert await asyncio.wait_for(caller, 10) == {"echo": "late"}
+        assert rec.calls == ["late"]
+    finally:
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        await queue.close(grace=0)
+
+
+async def test_an_item_held_here_for_a_live_executor_is_not_reaped_until_let_go(
+    rec: Recorder,
+) -> None:
+    """`held_here`: what a supervisor's pool holds for its live workers (it heartbeats
+    them itself) is beaten by the reaper when its heartbeat is stale; once let go (its
+    worker dead, nobody beating it) it is reaped as stalled."""
+    clock = ManualClock()
+    store = MemoryQueueStore(clock=clock)
+    held: set[Any] = set()
+    handed: list[RetrievedQuery] = []
+
+    async def hand_off(retrieved: RetrievedQuery) -> None:
+        handed.append(retrieved)
+        held.add(retrieved.queue_id)
+
+    queue = QueryQueue(
+        "pool",
+        query_handlers={"sql": rec.instant},
+        cancel_handlers={"sql": rec.cancel},
+        driver=store,
+        clock=clock,
+        heartbeat_interval=10.0,
+        send_process_message_fn=hand_off,
+        logger=rec.log,
+    )
+    queue.held_here = held.__contains__
+    try:
+        store.add("pool:k", '{"queryHandler": "sql", "query": "k"}')
+        await queue.reconcile_queue()
+        (retrieved,) = handed
+        clock.advance(60_000)  # no heartbeat for longer than the stall timeout
+        await queue.reconcile_queue()
+        assert rec.cancelled == [] and store.stalled(40_000, "pool") == []
+        assert [row.queue_id for row in store.active("pool")] == [retrieved.queue_id]
+        held.clear()  # its worker died unnoticed: nobody beats it any more
+        clock.advance(60_000)
+        await queue.reconcile_queue()
+        await wait_until(lambda: len(rec.cancelled) == 1, what="the stalled item reaped")
+        assert store.active("pool") == []
+        assert [e["queueId"] for e in rec.named(ev.REMOVING_ORPHANED)] == [retrieved.queue_id]
+    finally:
+        await queue.close(grace=0)
