@@ -413,7 +413,7 @@ async def test_a_live_workers_query_is_not_reaped_while_its_heartbeats_cannot_la
         # The reaper looked, and found the item stalled, twice.
         await wait_until(lambda: sum(1 for found in looked if found) >= 2, within=30)
         assert lost, "heartbeats were tried, and lost"
-        assert store.active(queue.prefix) == [running]
+        assert [row.queue_id for row in store.active(queue.prefix)] == [running.queue_id]
         monkeypatch.setattr(store, "heartbeat", heartbeat)
         assert (await queue.cancel_query(queue.hash_query_key("late"))) is True  # end it
         with pytest.raises(QueryCancelledError):
