@@ -1150,7 +1150,9 @@ class PostgresQueueStore(QueueStore):
             if time.monotonic() + delay > deadline:
                 return None
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            # Its lane's other commands (heartbeats among them) queue behind this wait:
+            # asked at least every quarter second, it ends soon after the database is back.
+            delay = min(delay * 2, 0.25)
 
     def _run_command(self, run: Callable[[], T]) -> T:
         # The one hook: every command (the command table's decorator) runs through here.
