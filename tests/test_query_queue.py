@@ -932,17 +932,32 @@ async def test_a_stream_owner_is_nudged_when_a_slot_frees_not_a_long_poll_later(
     assert await busy == {"echo": "busy"}
 
 
-async def test_the_heartbeat_is_stepped_by_the_injected_clock(rec: Recorder) -> None:
+def _on_a_manual_clock(
+    rec: Recorder,
+    prefix: str,
+    handler: Any,
+    driver: Callable[[QueueStore], Any] = lambda store: store,
+    **options: Any,
+) -> tuple[ManualClock, MemoryQueueStore, QueryQueue]:
+    """A queue whose store and heartbeats run on one injected clock (heartbeat every 10 s,
+    stalled 40 s after the last), its events and cancellations recorded by `rec`."""
     clock = ManualClock()
     store = MemoryQueueStore(clock=clock)
     queue = QueryQueue(
-        "hb",
-        query_handlers={"sql": rec.gated},
+        prefix,
+        query_handlers={"sql": handler},
         cancel_handlers={"sql": rec.cancel},
-        driver=store,
+        driver=driver(store),
         clock=clock,
         heartbeat_interval=10.0,
+        logger=rec.log,
+        **options,
     )
+    return clock, store, queue
+
+
+async def test_the_heartbeat_is_stepped_by_the_injected_clock(rec: Recorder) -> None:
+    clock, store, queue = _on_a_manual_clock(rec, "hb", rec.gated)
     caller = asyncio.create_task(queue.execute_in_queue("sql", "beaten", "beaten"))
     try:
         await wait_until(lambda: rec.running == 1 and clock.sleepers == 1)
@@ -1070,18 +1085,9 @@ async def test_an_execution_here_whose_heartbeats_were_lost_is_beaten_not_reaped
     """Past the stall timeout without a heartbeat landing (the store was away), the item
     this process still executes is stalled by its heartbeat alone. This process's reaper
     knows better: it beats it rather than reclaim it (which would run it twice)."""
-    clock = ManualClock()
-    store = MemoryQueueStore(clock=clock)
-    driver = _AwayForHeartbeats(store)
-    queue = QueryQueue(
-        "hb",
-        query_handlers={"sql": rec.gated},
-        cancel_handlers={"sql": rec.cancel},
-        driver=driver,
-        clock=clock,
-        heartbeat_interval=10.0,  # stalled 40 s after its last heartbeat
-        logger=rec.log,
-    )
+    clock, store, queue = _on_a_manual_clock(rec, "hb", rec.gated, _AwayForHeartbeats)
+    driver = queue.driver
+    assert isinstance(driver, _AwayForHeartbeats)
     caller = asyncio.create_task(queue.execute_in_queue("sql", "late", "late"))
     try:
         await wait_until(lambda: rec.running == 1 and clock.sleepers == 1)
@@ -1111,8 +1117,6 @@ async def test_an_item_held_here_for_a_live_executor_is_not_reaped_until_let_go(
     """`held_here`: what a supervisor's pool holds for its live workers (it heartbeats
     them itself) is beaten by the reaper when its heartbeat is stale; once let go (its
     worker dead, nobody beating it) it is reaped as stalled."""
-    clock = ManualClock()
-    store = MemoryQueueStore(clock=clock)
     held: set[Any] = set()
     handed: list[RetrievedQuery] = []
 
@@ -1120,15 +1124,8 @@ async def test_an_item_held_here_for_a_live_executor_is_not_reaped_until_let_go(
         handed.append(retrieved)
         held.add(retrieved.queue_id)
 
-    queue = QueryQueue(
-        "pool",
-        query_handlers={"sql": rec.instant},
-        cancel_handlers={"sql": rec.cancel},
-        driver=store,
-        clock=clock,
-        heartbeat_interval=10.0,
-        send_process_message_fn=hand_off,
-        logger=rec.log,
+    clock, store, queue = _on_a_manual_clock(
+        rec, "pool", rec.instant, send_process_message_fn=hand_off
     )
     queue.held_here = held.__contains__
     try:
