@@ -38,21 +38,41 @@ class Waiter:
         self.claimed = False
 
 
+def running_loop_on(
+    home: asyncio.AbstractEventLoop | None, home_thread: int | None
+) -> asyncio.AbstractEventLoop | None:
+    """This thread's running loop, if any. `home` when this is its thread and it runs (a
+    thread runs one loop at a time) without asking asyncio, whose answer costs a getpid()
+    system call on 3.11: several a query on a supervisor's hot path."""
+    if home is not None and threading.get_ident() == home_thread and home.is_running():
+        return home
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class ResultWaiters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[QueueKey, set[Waiter]] = {}
-        # The loop of a waiter subscribed on a thread with none (a blocking store's lane,
-        # running a server's batch): the server's, set when it starts.
-        self.home: asyncio.AbstractEventLoop | None = None
+        self._home: asyncio.AbstractEventLoop | None = None
+        self._home_thread: int | None = None
+
+    @property
+    def home(self) -> asyncio.AbstractEventLoop | None:
+        """The loop of a waiter subscribed on a thread with none (a blocking store's lane,
+        running a server's batch): the server's, set on its thread when it starts."""
+        return self._home
+
+    @home.setter
+    def home(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._home, self._home_thread = loop, threading.get_ident()
 
     def subscribe(self, key: QueueKey) -> Waiter:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            if self.home is None:
-                raise
-            loop = self.home
+        loop = running_loop_on(self._home, self._home_thread) or self._home
+        if loop is None:
+            raise RuntimeError("no running event loop")
         waiter = Waiter(key, loop)
         with self._lock:
             self._waiters.setdefault(key, set()).add(waiter)
@@ -82,10 +102,7 @@ class ResultWaiters:
         """Wake every waiter of the item, addressed by id or by path. Returns how many."""
         with self._lock:
             targets = [*self._waiters.pop(event.id, ()), *self._waiters.pop(event.path, ())]
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = running_loop_on(self._home, self._home_thread)
         for waiter in targets:
             if waiter.loop is running:
                 _resolve(waiter.future, event)
@@ -104,20 +121,17 @@ class SlotWatchers:
     loop that registered it: a blocking store commits on a thread of its own."""
 
     def __init__(self) -> None:
-        self._watchers: set[tuple[Callable[[], None], asyncio.AbstractEventLoop]] = set()
+        self._watchers: set[tuple[Callable[[], None], asyncio.AbstractEventLoop, int]] = set()
 
     def add(self, callback: Callable[[], None]) -> Callable[[], None]:
-        entry = (callback, asyncio.get_running_loop())
+        entry = (callback, asyncio.get_running_loop(), threading.get_ident())
         self._watchers.add(entry)
         return lambda: self._watchers.discard(entry)
 
     def publish(self) -> None:
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:  # a blocking store's own thread
-            running = None
-        for callback, loop in list(self._watchers):
-            if loop is running:
+        here = threading.get_ident()
+        for callback, loop, thread in list(self._watchers):
+            if here == thread and loop.is_running():  # on its loop (see running_loop_on)
                 callback()
             elif not loop.is_closed():
                 loop.call_soon_threadsafe(callback)

@@ -143,6 +143,7 @@ class WorkerPool:
         self.reclaimed: list[QueueId] = []
         self.queue: QueryQueue | None = None
         self._poked = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -150,6 +151,7 @@ class WorkerPool:
         from queryqueue.supervisor.app import load_app
 
         app = load_app(self.app_ref)
+        self._loop = asyncio.get_running_loop()
         # The pool's own queue, on the store itself: it reconciles for every process of
         # the pool (retrieve in priority order within the concurrency, hand off here), so
         # request processes and workers need not: no socket round trips, no re-pickling.
@@ -470,13 +472,17 @@ class WorkerPool:
                 continue
             job = self._backlog.popleft()
             worker.job = job
-            job.started_at = asyncio.get_running_loop().time()
+            job.started_at = self._loop_time()
             job.sent_ms = time.time() * 1000
             try:
                 worker.conn.send_bytes(job.blob)
             except (OSError, ValueError):
                 self._backlog.appendleft(job)  # the worker died: its exit handler runs next
                 worker.job = None
+
+    def _loop_time(self) -> float:
+        # Its loop kept since start: on 3.11 each get_running_loop() is a getpid() call.
+        return (self._loop or asyncio.get_running_loop()).time()
 
     @staticmethod
     def _takes(worker: _Worker) -> bool:

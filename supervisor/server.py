@@ -688,11 +688,14 @@ class QueueServer:
             and route_of(tuple(request.args)) == self.pool.prefix
         )
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        # Kept since start: on 3.11 each get_running_loop() is a getpid() system call.
+        return self._executing_on or asyncio.get_running_loop()
+
     def _hold(self, request: _Request) -> None:
         self._held.append(request)
         if self._held_timer is None:
-            loop = asyncio.get_running_loop()
-            self._held_timer = loop.call_later(self.hold_adds_s, self._release_held)
+            self._held_timer = self._loop().call_later(self.hold_adds_s, self._release_held)
 
     def _release_held(self) -> None:
         if self._held_timer is not None:
@@ -1351,7 +1354,7 @@ class QueueServer:
         except TypeError:
             return None  # sent the usual way, which answers the error
         if cached is None:  # held for this loop turn's polls, then let go
-            asyncio.get_running_loop().call_soon(self._forget_encoded)
+            self._loop().call_soon(self._forget_encoded)
         self._encoded_for = (event, encoded)
         return encoded
 
@@ -1362,7 +1365,7 @@ class QueueServer:
         """A slot may have freed: tell the watching connections, once per loop turn."""
         if not self._nudge_scheduled and self._connections:
             self._nudge_scheduled = True
-            asyncio.get_running_loop().call_soon(self._nudge)
+            self._loop().call_soon(self._nudge)
 
     def _nudge(self) -> None:
         self._nudge_scheduled = False
