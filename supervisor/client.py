@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -109,6 +110,9 @@ class _Link:
         on_nudge: Callable[[str], None] = lambda prefix: None,
     ) -> None:
         self.on_nudge = on_nudge
+        # Kept: on 3.11 each get_running_loop() is a getpid() system call, several a request.
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.get_ident()
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.reader = FrameReader(self, max_frame)
         self.transport: asyncio.Transport | None = None
@@ -117,7 +121,7 @@ class _Link:
         # Every request's deadline in one heap, behind one timer (not a timer and an
         # `asyncio.wait` per call); an answered id is skipped.
         self._deadlines: Deadlines[int] = Deadlines(
-            asyncio.get_running_loop(), expire=self._overdue, live=self.pending.__contains__
+            self.loop, expire=self._overdue, live=self.pending.__contains__
         )
         self._keeper = asyncio.ensure_future(self._close_with_the_loop())
 
@@ -183,7 +187,7 @@ class _Link:
     def send(self, frame: bytes) -> None:
         # Requests made in one loop iteration leave in one write (one syscall).
         if not self.outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush)
         self.outbox.append(frame)
 
     def _flush(self) -> None:
@@ -249,7 +253,14 @@ class SocketQueueDriver:
     # -- connection --------------------------------------------------------------------------
 
     def _forget_if_foreign(self) -> None:
-        owner = (os.getpid(), asyncio.get_running_loop())
+        link = self._link
+        # The link's loop, when it runs on this thread, is the running one (a thread runs one
+        # loop at a time): asking asyncio would cost another system call.
+        on_its_loop = (
+            link is not None and link.thread == threading.get_ident() and link.loop.is_running()
+        )
+        loop = link.loop if on_its_loop and link is not None else asyncio.get_running_loop()
+        owner = (os.getpid(), loop)
         if self._owner != owner:
             # A forked child or another loop: the old link belongs to someone else. Drop it
             # without touching it (closing could disturb the parent's connection).
@@ -342,7 +353,7 @@ class SocketQueueDriver:
         self, link: _Link, message: dict[str, Any], answer_within: float | None
     ) -> dict[str, Any]:
         request_id = next(self._ids)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[dict[str, Any]] = link.loop.create_future()
         link.pending[request_id] = future
         if not link.alive:
             link.pending.pop(request_id, None)
@@ -510,7 +521,7 @@ class SocketQueueDriver:
             return await self._decoded(method, *args, **kwargs)
         link = await self._connected()
         wait_id = next(self._ids)
-        waited: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        waited: asyncio.Future[dict[str, Any]] = link.loop.create_future()
         link.pending[wait_id] = waited
         pipelined = _Pipelined(link, wait_id, waited)
         message = {
