@@ -36,7 +36,12 @@ def schema() -> Iterator[str]:
 
 
 def _host(
-    workdir: Path, name: str, schema: str, *options: str, url: str = URL
+    workdir: Path,
+    name: str,
+    schema: str,
+    *options: str,
+    url: str = URL,
+    env: dict[str, str] | None = None,
 ) -> SupervisorProcess:
     return launch(
         workdir / f"{name}.db",
@@ -46,12 +51,25 @@ def _host(
         *options,
         store=url,
         cwd=REPO,
+        env=env,
     )
 
 
-def _pool_host(workdir: Path, name: str, schema: str, *, url: str = URL) -> SupervisorProcess:
+def _pool_host(
+    workdir: Path, name: str, schema: str, *, url: str = URL, env: dict[str, str] | None = None
+) -> SupervisorProcess:
     return _host(
-        workdir, name, schema, "--app", APP, "--workers", "2", "--cancel-grace", "1", url=url
+        workdir,
+        name,
+        schema,
+        "--app",
+        APP,
+        "--workers",
+        "2",
+        "--cancel-grace",
+        "1",
+        url=url,
+        env=env,
     )
 
 
@@ -78,10 +96,12 @@ async def _two_pool_hosts(
     workdir: Path, schema: str
 ) -> AsyncIterator[tuple[list[SupervisorProcess], list[SocketQueueDriver], list[Any]]]:
     """Two supervisors with pools on one database, and a pool queue on each; all stopped
-    (by pid) afterwards."""
+    (by pid) afterwards. Their stall timeout is 10 s: a host paused for a second (a loaded
+    machine) must not have its running queries reaped and run again by the other."""
     from tests.apps.pool_app import app
 
-    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
+    env = {**os.environ, "POOL_HEARTBEAT": "2.5"}
+    hosts = [_pool_host(workdir, name, schema, env=env) for name in ("a", "b")]
     drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
     queues = [app.pool_queue(d, continue_wait_timeout=30.0) for d in drivers]
     try:

@@ -10,7 +10,15 @@ from typing import Any
 from queryqueue import QueryStream, QueueApp
 from queryqueue.supervisor import loops
 
-app = QueueApp("pool", concurrency=2, continue_wait_timeout=1.0, heartbeat_interval=0.25)
+# A stall timeout of 1 s (4 heartbeats) keeps the tests that wait for one short; tests of
+# several hosts that must never see a live query reaped by the other host under a loaded
+# CI machine's pauses set POOL_HEARTBEAT (read in each supervisor as it loads the app).
+app = QueueApp(
+    "pool",
+    concurrency=2,
+    continue_wait_timeout=1.0,
+    heartbeat_interval=float(os.environ.get("POOL_HEARTBEAT", "0.25")),
+)
 
 
 def _trace(*fields: object) -> None:
