@@ -58,19 +58,8 @@ def _host(
 def _pool_host(
     workdir: Path, name: str, schema: str, *, url: str = URL, env: dict[str, str] | None = None
 ) -> SupervisorProcess:
-    return _host(
-        workdir,
-        name,
-        schema,
-        "--app",
-        APP,
-        "--workers",
-        "2",
-        "--cancel-grace",
-        "1",
-        url=url,
-        env=env,
-    )
+    pool = ("--app", APP, "--workers", "2", "--cancel-grace", "1")
+    return _host(workdir, name, schema, *pool, url=url, env=env)
 
 
 async def _adds(driver: SocketQueueDriver) -> int:
