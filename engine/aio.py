@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -20,3 +21,11 @@ async def wait_within(future: asyncio.Future[T], seconds: float | None) -> T:
     if not done:
         raise TimeoutError
     return future.result()
+
+
+def runs_here(loop: asyncio.AbstractEventLoop | None, thread: int | None) -> bool:
+    """Whether `loop`, made or adopted on `thread`, is this thread's running loop: it runs
+    and this is its thread (a thread runs one loop at a time). Asked without asyncio,
+    whose `get_running_loop()` costs a getpid() system call on 3.11, several a query on
+    the hot paths that ask."""
+    return loop is not None and thread == threading.get_ident() and loop.is_running()

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from queryqueue.engine.aio import runs_here
 from queryqueue.engine.responses import QueueId, QueueKey
 
 
@@ -41,10 +42,9 @@ class Waiter:
 def running_loop_on(
     home: asyncio.AbstractEventLoop | None, home_thread: int | None
 ) -> asyncio.AbstractEventLoop | None:
-    """This thread's running loop, if any. `home` when this is its thread and it runs (a
-    thread runs one loop at a time) without asking asyncio, whose answer costs a getpid()
-    system call on 3.11: several a query on a supervisor's hot path."""
-    if home is not None and threading.get_ident() == home_thread and home.is_running():
+    """This thread's running loop, if any: `home` without asking asyncio when it runs
+    here (`runs_here`)."""
+    if runs_here(home, home_thread):
         return home
     try:
         return asyncio.get_running_loop()
@@ -129,9 +129,8 @@ class SlotWatchers:
         return lambda: self._watchers.discard(entry)
 
     def publish(self) -> None:
-        here = threading.get_ident()
         for callback, loop, thread in list(self._watchers):
-            if here == thread and loop.is_running():  # on its loop (see running_loop_on)
+            if runs_here(loop, thread):
                 callback()
             elif not loop.is_closed():
                 loop.call_soon_threadsafe(callback)

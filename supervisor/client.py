@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from queryqueue.engine.aio import runs_here
 from queryqueue.engine.binary import BinaryResult, Outcome, from_bytes
 from queryqueue.engine.commands import served
 from queryqueue.engine.errors import (
@@ -254,13 +255,10 @@ class SocketQueueDriver:
 
     def _forget_if_foreign(self) -> None:
         link = self._link
-        # The link's loop, when it runs on this thread, is the running one (a thread runs one
-        # loop at a time): asking asyncio would cost another system call.
-        on_its_loop = (
-            link is not None and link.thread == threading.get_ident() and link.loop.is_running()
-        )
-        loop = link.loop if on_its_loop and link is not None else asyncio.get_running_loop()
-        owner = (os.getpid(), loop)
+        if link is not None and runs_here(link.loop, link.thread):
+            owner = (os.getpid(), link.loop)
+        else:
+            owner = (os.getpid(), asyncio.get_running_loop())
         if self._owner != owner:
             # A forked child or another loop: the old link belongs to someone else. Drop it
             # without touching it (closing could disturb the parent's connection).
