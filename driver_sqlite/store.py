@@ -8,7 +8,10 @@ thread and a connection of its own.
 
 Durability: `synchronous=NORMAL` (default) survives a `kill -9` of any process — a commit
 is in the WAL before the command answers — and can lose the last transactions only on
-power loss or an OS crash. `synchronous=FULL` fsyncs every commit and survives those too.
+power loss or an OS crash. `synchronous=FULL` fsyncs every commit and survives those too:
+inside its COMMIT, or, with `sync_in_background` (the supervisor's), on a thread that syncs
+for many commits at once while the writer goes on (`syncer.WalSyncer`): who answers from a
+commit then waits for it to be synced (`unsynced_commit`, `when_synced`).
 
 One process writes a database: the supervisor, or a single process in development.
 RESULT_BLOCKING is woken in-process by ACK, so waiters must share the store object with
@@ -26,6 +29,7 @@ from typing import Any, Literal, TypeVar
 
 from queryqueue.driver_sqlite.checkpoints import Checkpointer
 from queryqueue.driver_sqlite.schema import ACTIVE, COUNT_BY_PREFIX, PENDING, migrate
+from queryqueue.driver_sqlite.syncer import Synced, WalSyncer
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import StoreError
@@ -365,10 +369,16 @@ class SqliteQueueStore(QueueStore):
         busy_timeout_ms: int = 5_000,
         checkpoint_every_s: float | None = 1.0,
         wal_cap_pages: int = 16_384,
+        sync_in_background: bool = False,
+        wal_sync: Callable[[int], None] | None = None,
     ) -> None:
         """`checkpoint_every_s`: how often the checkpoint thread looks at the WAL (None:
         no thread; `checkpointer.step()` runs a round). `wal_cap_pages`: past this, the
-        writer folds the WAL's rest itself so that it restarts (64 MiB at 4 KiB pages)."""
+        writer folds the WAL's rest itself so that it restarts (64 MiB at 4 KiB pages).
+        `sync_in_background` (FULL only): commits are made durable by a thread of the
+        store's, many at once, not inside each COMMIT; for a caller that holds every answer
+        until `when_synced` says its commit is durable (the supervisor does). `wal_sync`:
+        what syncs the WAL's fd there (os.fdatasync; injected in tests)."""
         super().__init__(clock=clock, result_ttl_ms=result_ttl_ms)
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
@@ -386,6 +396,8 @@ class SqliteQueueStore(QueueStore):
         self._stored: dict[str, tuple[int, int]] = {}
         self._data_version: int | None = None
         self.recounts = 0
+        self.syncer: WalSyncer | None = None
+        self._changes_seen = 0  # the connection's total_changes at the last commit synced
         try:
             self._conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, cached_statements=256
@@ -397,7 +409,9 @@ class SqliteQueueStore(QueueStore):
             (mode,) = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()
             if mode.lower() != "wal":
                 raise StoreError(f"{self.path} cannot be put in WAL mode (got {mode})")
-            self._conn.execute(f"PRAGMA synchronous = {synchronous}")
+            background = sync_in_background and synchronous == "FULL"
+            # In the background, the WAL is synced by the syncer, not by COMMIT.
+            self._conn.execute(f"PRAGMA synchronous = {'NORMAL' if background else synchronous}")
             # No checkpoint inside a COMMIT: the checkpoint thread folds the WAL (normal
             # locking, so that its connection may); a restarted WAL is cut back to the cap.
             self._conn.execute("PRAGMA wal_autocheckpoint = 0")
@@ -413,7 +427,17 @@ class SqliteQueueStore(QueueStore):
                 cap_frames=wal_cap_pages,
                 busy_timeout_ms=busy_timeout_ms,
             )
+            if background:
+                # The WAL exists from the connection's first transaction (the migration's).
+                self.background_sync = True
+                self._changes_seen = self._conn.total_changes
+                self.syncer = WalSyncer(
+                    Path(f"{self.path}-wal"), **({} if wal_sync is None else {"sync": wal_sync})
+                )
         except BaseException as exc:
+            checkpointer = getattr(self, "checkpointer", None)
+            if checkpointer is not None:
+                checkpointer.close()
             self._conn.close()
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"cannot open the queue database {self.path}: {exc}") from exc
@@ -421,6 +445,11 @@ class SqliteQueueStore(QueueStore):
         self.checkpointer.start()
 
     def _begin(self) -> None:
+        if self.syncer is not None and self.syncer.failure is not None:
+            raise StoreError(
+                f"the WAL of {self.path} could not be synced ({self.syncer.failure}): "
+                "nothing more is committed; restart the supervisor"
+            )
         if self.checkpointer.fold_due:
             # A writer that never pauses outruns the rounds: the WAL would never restart.
             self.checkpointer.fold(self._conn)
@@ -450,6 +479,10 @@ class SqliteQueueStore(QueueStore):
         # Kept once COMMIT succeeded: one SQLite rolled back itself (a full disk) fails.
         self._conn.execute("COMMIT")
         self.checkpointer.dirty = True
+        if self.syncer is not None and self._conn.total_changes != self._changes_seen:
+            # Only a transaction that wrote has anything to sync (reads commit too).
+            self._changes_seen = self._conn.total_changes
+            self.syncer.commit()
         stored = self._stored
         for prefix, pending, active in changed:
             was = stored.get(prefix, (0, 0))
@@ -551,7 +584,24 @@ class SqliteQueueStore(QueueStore):
             except sqlite3.Error as exc:
                 raise StoreError(f"checkpoint of {self.path} failed: {exc}") from exc
 
+    def unsynced_commit(self) -> int | None:
+        return None if self.syncer is None else self.syncer.unsynced()
+
+    def when_synced(self, commit: int, callback: Synced) -> None:
+        if self.syncer is None:
+            callback(None)
+        else:
+            self.syncer.when_synced(commit, callback)
+
+    def sync_now(self) -> None:
+        if self.syncer is not None:
+            self.syncer.sync_now()
+
     def close(self) -> None:
+        if self.syncer is not None:
+            self.syncer.close()
         self.checkpointer.close()
         with self._lock:
             self._conn.close()
+        if self.syncer is not None:
+            self.syncer.close_fd()

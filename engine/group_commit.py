@@ -16,6 +16,9 @@ T = TypeVar("T")
 
 
 class GroupCommit:
+    # True: commits become durable after they return (`unsynced_commit`, `when_synced`).
+    background_sync = False
+
     def batch(self, prefix: str | None = None) -> AbstractContextManager[None]:
         """Group commit: one transaction, each command in it atomic on its own; `prefix`: what
         most are about. Waiters wake once it committed. A store in memory needs none."""
@@ -35,6 +38,20 @@ class GroupCommit:
                 undo(what)
             raise
         return done[0]
+
+    def unsynced_commit(self) -> int | None:
+        """The commit an answer given now must wait for before it leaves (a number for
+        `when_synced`); None: every commit so far is durable. None but on a store that
+        syncs in the background (SQLite FULL in a supervisor: driver_sqlite/syncer.py)."""
+        return None
+
+    def when_synced(self, commit: int, callback: Callable[[BaseException | None], object]) -> None:
+        """`callback(None)`, from any thread, once commit number `commit` is durable;
+        `callback(error)` once it cannot be."""
+        callback(None)
+
+    def sync_now(self) -> None:
+        """Make every commit so far durable, here and now (graceful shutdown)."""
 
     def expect(self, commands: Iterable[tuple[str, Sequence[Any]]]) -> None:
         """The commands (name, positional arguments) a `batch` is about to run, in order:

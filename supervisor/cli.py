@@ -146,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
         "--synchronous",
         choices=["NORMAL", "FULL"],
         default="NORMAL",
-        help="SQLite durability: FULL also survives power loss, at about a third of the writes",
+        help="SQLite durability: FULL also survives power loss (answers wait for the WAL's fsync, "
+        "made once for many commits off the loop)",
     )
     sup.add_argument(
         "--tcp-port",

@@ -424,14 +424,16 @@ class WorkerPool:
         worker = next((w for w in self._workers if job is w.job), None)
         return worker is None or worker.process.is_alive()
 
-    def acked(self, key: QueueKey) -> None:
+    def acked(self, key: QueueKey) -> bool:
         """An ACK by `key` was answered: the ACK is the last a worker does for a query,
         so the worker whose query that is is free now, and is sent its next at once. It
-        says nothing more unless a handler thread of it still runs (`_DRAINING`)."""
+        says nothing more unless a handler thread of it still runs (`_DRAINING`). True:
+        it was a worker's query."""
         for worker in self._workers:
             if worker.job is not None and key in (worker.job.queue_id, worker.job.path):
                 self._finished(worker)
-                return
+                return True
+        return False
 
     def _finished(self, worker: _Worker) -> None:
         job = worker.job

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
+from queryqueue.engine.errors import StoreError
 from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import guard, loops
 from queryqueue.supervisor.loops import LoopChoice
@@ -35,7 +37,9 @@ def open_store(
             network_timeout=options.get("network_timeout"),
             lanes=int(options.get("connections") or 4),
         )
-    return SqliteQueueStore(db, synchronous=synchronous)
+    # The server holds every answer until its commit is synced (synced.py): FULL's
+    # fsyncs leave the loop, and serve many commits at once.
+    return SqliteQueueStore(db, synchronous=synchronous, sync_in_background=True)
 
 
 async def serve(
@@ -147,7 +151,12 @@ async def _serve_store(
             site = await _start_site(server, http, token, token_file)
         if ready is not None:
             ready.set()
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.failed.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
@@ -158,6 +167,8 @@ async def _serve_store(
         if started:
             await server.stop()
         store.close()
+    if server.failure is not None:
+        raise StoreError(f"the queue store failed: {server.failure}")
 
 
 async def _start_site(
@@ -192,5 +203,9 @@ def run(
 ) -> int:
     """Serve on the chosen event loop; the pool's workers run on the same kind."""
     loops.settle_collector()  # this process is the supervisor: it owns its collector
-    loops.run(serve(db, socket_path, event_loop=event_loop, **options), event_loop)
+    try:
+        loops.run(serve(db, socket_path, event_loop=event_loop, **options), event_loop)
+    except StoreError as exc:
+        print(f"queryqueue: {exc}", file=sys.stderr)
+        return 1
     return 0

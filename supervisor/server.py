@@ -53,6 +53,7 @@ from queryqueue.supervisor.protocol import (
     error_payload,
 )
 from queryqueue.supervisor.shm import SegmentPool, name_prefix, parse_reference
+from queryqueue.supervisor.synced import SyncGate
 
 _log = logging.getLogger("queryqueue.server")
 
@@ -63,6 +64,8 @@ COMMANDS = served()
 _HANG_UP_S = 10.0
 # The commands whose answer tells their prefix's pending count once they ran.
 _REPORT_PENDING = frozenset({"add", "add_and_retrieve", "retrieve"})
+# What a pool's worker says of the query it runs, besides its ACK (`_note_acks`).
+_POOL_STEPS = frozenset({"heartbeat", "merge_extra"})
 # How long an ADD may wait for the batch of the ACK that frees its slot (_may_hold).
 HOLD_ADDS_S = 0.002
 # An ADD's answer waits at most this long for its pipelined long poll's (`defer`).
@@ -164,6 +167,9 @@ class _Connection:
     # ADD answers held for their long poll's (`defer`), by id() of the ADD's request.
     deferred: dict[int, bytes] = field(default_factory=dict)
     deferred_timer: asyncio.TimerHandle | None = None
+    # A store that syncs in the background: frames wait for their commit (synced.py).
+    gate: SyncGate | None = None
+    unsynced: deque[tuple[int, bytes]] = field(default_factory=deque)
 
     @property
     def transport(self) -> asyncio.Transport:
@@ -174,12 +180,14 @@ class _Connection:
         return self.closed or self.transport.is_closing()
 
     def buffered(self) -> int:
-        return self.transport.get_write_buffer_size() + sum(map(len, self.outbox))
+        held = sum(len(frame) for _, frame in self.unsynced) if self.unsynced else 0
+        return self.transport.get_write_buffer_size() + sum(map(len, self.outbox)) + held
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], *, after_sync: bool = True) -> None:
+        """`after_sync`: held until what has committed so far is durable (synced.py)."""
         if self.gone():
             return
-        self._queue(_frame_of(message))
+        self._queue(_frame_of(message), after_sync=after_sync)
 
     def send_answer(self, request_id: Any, encoded: bytes) -> None:
         """`{"id": request_id, "ok": <encoded>}`, its answer already JSON."""
@@ -187,10 +195,31 @@ class _Connection:
             return
         self._queue(answer_frame(request_id, encoded))
 
-    def _queue(self, frame: bytes) -> None:
+    def _queue(self, frame: bytes, *, after_sync: bool = True) -> None:
+        gate = self.gate
+        if gate is not None and after_sync:
+            commit = gate.commit_to_wait_for()
+            if commit is not None or self.unsynced:
+                if self.unsynced:  # in order: not before what is held already
+                    commit = max(commit or 0, self.unsynced[-1][0])
+                assert commit is not None
+                self.unsynced.append((commit, frame))
+                gate.hold(self, commit)
+                return
         if not self.outbox:
             self.loop.call_soon(self.flush)
         self.outbox.append(frame)
+
+    def release_synced(self, commit: int | None) -> None:
+        unsynced = self.unsynced
+        while unsynced and (commit is None or unsynced[0][0] <= commit):
+            self._queue(unsynced.popleft()[1], after_sync=False)
+
+    def cut_off(self) -> None:
+        self.unsynced.clear()
+        if not self.gone():
+            self.closed = True
+            self.transport.abort()
 
     def defer(self, add: _Request, message: dict[str, Any], delay: float) -> None:
         """The answer of an ADD whose pipelined long poll has parked: its caller waits for
@@ -239,7 +268,9 @@ class _Client:
 
     def opened(self, reader: FrameReader) -> None:
         server = self.server
-        self.connection = _Connection(reader, server.limits, authenticated=self.authenticated)
+        self.connection = _Connection(
+            reader, server.limits, authenticated=self.authenticated, gate=server._gate
+        )
         server._connections.add(self.connection)
 
     def received(self, body: bytes) -> None:
@@ -263,8 +294,11 @@ class _Client:
 
     def ending(self) -> None:
         assert self.connection is not None
-        self.connection.release_deferred()
-        self.connection.flush()  # what was answered before the hang-up still leaves
+        connection = self.connection
+        connection.release_deferred()
+        if connection.gate is not None:
+            connection.gate.release_now(connection)
+        connection.flush()  # what was answered before the hang-up still leaves
 
     def lost(self) -> None:
         if self.connection is not None:
@@ -331,6 +365,7 @@ class _Request:
     added_id: int | None = None  # the ADD's answered id, once it ran
     started_ms: int | None = None  # the fast track: startQueryTime, recorded in its batch
     checked: bool = False  # by `_take_batch`, once
+    pool_step: bool = False  # a worker's step of a pool job (`_note_acks`): not held
 
 
 def _file_sizes(path: Any) -> dict[str, int | None]:
@@ -461,6 +496,11 @@ class QueueServer:
         self._deadlines: Deadlines[ParkedPoll] | None = None  # parked polls' (start)
         # The last ACK event's answer as JSON, for every poll it wakes (`_answer`).
         self._encoded_for: tuple[AckEvent, bytes] | None = None
+        self._gate: SyncGate | None = None  # set by start, for a store syncing in the background
+        # Set when the store failed for good (a WAL sync): the server has hung up on every
+        # client and accepts no more; its process stops (process.py).
+        self.failed = asyncio.Event()
+        self.failure: BaseException | None = None
 
     async def start(self) -> None:
         guard.private_directory(self.socket_path.parent)
@@ -483,6 +523,8 @@ class QueueServer:
         self.store.refresh_active_heartbeats()
         self.segments.adopt()  # large results a crashed supervisor acknowledged
         self._executing_on = asyncio.get_running_loop()
+        if self.store.background_sync:
+            self._gate = SyncGate(self.store, self._executing_on, self._store_failed)
         self._schedule_turn()  # what arrived before start (nothing can have, but in case)
         self._sweeper = asyncio.ensure_future(self._sweep_forever())
 
@@ -550,6 +592,9 @@ class QueueServer:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
         await asyncio.gather(*self._lanes_busy, return_exceptions=True)
+        if self._gate is not None:
+            for connection in list(self._connections):
+                self._gate.release_now(connection)  # one sync, for all of them
         readers = [connection.reader for connection in self._connections]
         for reader in readers:
             reader.close()  # after what it was answered has been written
@@ -574,6 +619,21 @@ class QueueServer:
         if self._socket_lock is not None:
             self._socket_lock.release()
 
+    def _store_failed(self, error: BaseException) -> None:
+        if self.failure is not None:
+            return
+        self.failure = error
+        _log.critical(
+            "the queue store cannot make its commits durable (%s): hanging up on every "
+            "client, stopping",
+            error,
+        )
+        for server in self._servers:
+            server.close()
+        for connection in list(self._connections):
+            connection.cut_off()
+        self.failed.set()
+
     # -- connections ----------------------------------------------------------------------------
 
     def _reader(self, *, authenticated: bool) -> FrameReader:
@@ -597,6 +657,8 @@ class QueueServer:
 
     def _lost(self, connection: _Connection) -> None:
         connection.closed = True
+        if self._gate is not None:
+            self._gate.forget(connection)
         for parked in list(connection.parked):
             parked.cancel()
         self._connections.discard(connection)
@@ -726,7 +788,7 @@ class QueueServer:
             and hmac.compare_digest(token.encode(), self.tcp_token.encode())
         ):
             connection.authenticated = True
-            connection.send({"id": request_id, "ok": True})
+            connection.send({"id": request_id, "ok": True}, after_sync=False)
             return
         error = AuthenticationError(
             "authenticate first: send {'cmd': 'auth', 'args': [token]} with the token "
@@ -765,17 +827,19 @@ class QueueServer:
                 # The prefixes whose queries this supervisor's pool runs: a client hands
                 # those off instead of running them itself.
                 pool = [self.pool.prefix] if self.pool is not None and self.pool.prefix else []
-                connection.send({"id": request_id, "ok": {"pid": os.getpid(), "pool": pool}})
+                # Nothing committed is in it: it need not wait for a sync (synced.py).
+                hello = {"pid": os.getpid(), "pool": pool}
+                connection.send({"id": request_id, "ok": hello}, after_sync=False)
                 return None
             if method == "ping":
-                connection.send({"id": request_id, "ok": "pong"})
+                connection.send({"id": request_id, "ok": "pong"}, after_sync=False)
                 return None
             if method == "stats":
                 self._soon(self._describe_to(connection, request_id))
                 return None
             if method == "shm_alloc":
                 slot = self.segments.alloc(args[0] if len(args) == 1 else None, connection)
-                connection.send({"id": request_id, "ok": slot})
+                connection.send({"id": request_id, "ok": slot}, after_sync=False)
                 return None
             if method == "shm_release":
                 if len(args) not in (2, 3):
@@ -933,8 +997,13 @@ class QueueServer:
             "event_loop": loops.running_name(),
             "collector": loops.collector_state(),
             "files": _file_sizes(getattr(self.store, "path", None)),
-            **({"wal": checkpoints.describe()} if checkpoints is not None else {}),
+            **({"wal": self._wal_state(checkpoints)} if checkpoints is not None else {}),
         }
+
+    def _wal_state(self, checkpoints: Any) -> dict[str, Any]:
+        syncer = getattr(self.store, "syncer", None)
+        held = {"answers_held_for_sync": self._gate.held} if self._gate is not None else {}
+        return {**checkpoints.describe(), **(syncer.describe() if syncer else {}), **held}
 
     # -- execution --------------------------------------------------------------------------------
 
@@ -1043,12 +1112,18 @@ class QueueServer:
     def _note_acks(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> None:
         """The pool hears of its workers' ACKs as they are answered (committed, or found
         their item gone): the ACK ends a worker's query, and the worker is sent its next
-        in this same turn, with no word from it."""
+        in this same turn, with no word from it. A worker's steps of the pool's query (its
+        ACK, heartbeats, extra) are answered without waiting for a sync (synced.py)."""
         if self.pool is None:
             return
+        gated = self._gate is not None
         for request, (ok, _) in zip(batch, answers, strict=True):
-            if ok and request.method == "ack" and request.args:
-                self.pool.acked(request.args[0])
+            if not (ok and request.args):
+                continue
+            if request.method == "ack":
+                request.pool_step = self.pool.acked(request.args[0])
+            elif gated and request.method in _POOL_STEPS:
+                request.pool_step = self.pool.job(request.args[0]) is not None
 
     def _run_batch(self) -> None:
         """Run what has arrived, here and now (at shutdown)."""
@@ -1343,7 +1418,7 @@ class QueueServer:
         elif woken_by is not None and (encoded := self._encoded_answer(woken_by, answer)):
             connection.send_answer(request.id, encoded)
         else:
-            connection.send({"id": request.id, "ok": answer})
+            connection.send({"id": request.id, "ok": answer}, after_sync=not request.pool_step)
 
     def _encoded_answer(self, event: AckEvent, answer: Any) -> bytes | None:
         cached = self._encoded_for

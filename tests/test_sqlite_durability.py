@@ -23,9 +23,11 @@ WRITER = textwrap.dedent(
     import sys
     from queryqueue.driver_sqlite.store import SqliteQueueStore
 
+    mode = sys.argv[2]
     store = SqliteQueueStore(
         sys.argv[1],
-        synchronous=sys.argv[2],
+        synchronous=mode.partition("-")[0],
+        sync_in_background=mode.endswith("-in-background"),
         checkpoint_every_s=float(sys.argv[3]),
         wal_cap_pages=int(sys.argv[4]),
     )
@@ -50,7 +52,9 @@ WRITER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("synchronous", ["NORMAL", "FULL"])
+# FULL-in-background: a command returns before its commit is synced (the supervisor holds
+# its answer until it is): a kill -9 must lose none of them all the same.
+@pytest.mark.parametrize("synchronous", ["NORMAL", "FULL", "FULL-in-background"])
 @pytest.mark.parametrize(
     "checkpoints",
     [(0.25, 16_384), (0.0005, 8)],

@@ -1,0 +1,281 @@
+"""SQLite FULL in a supervisor: the WAL is synced on a thread, once for many commits, and
+every answer waits for the sync that covers its commit (driver_sqlite/syncer.py,
+supervisor/synced.py). The sync is injected: it blocks until a test lets it go."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from queryqueue import SocketQueueDriver, SqliteQueueStore, StoreError, SupervisorUnavailableError
+from queryqueue.supervisor.pool import WorkerPool
+from queryqueue.supervisor.server import QueueServer
+from tests.trace import read_trace
+from tests.waiting import wait_until, wait_until_sync
+
+
+class HeldSync:
+    """An fdatasync that, once armed, waits to be let go, on the syncer's thread only (the
+    shutdown's own sync goes through); it records what it synced."""
+
+    def __init__(self, armed: bool = True) -> None:
+        self.armed = armed
+        self.go = threading.Event()
+        self.entered = 0
+        self.synced: list[int] = []  # the inode of each fd synced
+        self.failure: OSError | None = None
+
+    def __call__(self, fd: int) -> None:
+        if self.armed and threading.current_thread().name.startswith("queryqueue-wal-sync"):
+            self.entered += 1
+            self.go.wait(30)
+        if self.failure is not None:
+            raise self.failure
+        os.fdatasync(fd)
+        self.synced.append(os.fstat(fd).st_ino)
+
+
+@pytest.fixture
+def held() -> Iterator[HeldSync]:
+    sync = HeldSync()
+    yield sync
+    sync.go.set()  # whatever a test left waiting ends
+
+
+def _store(path: Path, sync: HeldSync, **options: Any) -> SqliteQueueStore:
+    return SqliteQueueStore(
+        path, synchronous="FULL", sync_in_background=True, wal_sync=sync, **options
+    )
+
+
+def test_a_commit_is_unsynced_until_the_syncer_has_synced_the_wal(
+    tmp_path: Path, held: HeldSync
+) -> None:
+    store = _store(tmp_path / "q.db", held)
+    try:
+        told: list[BaseException | None] = []
+        store.add("p:a", "{}", priority=0, orphaned=60)
+        commit = store.unsynced_commit()
+        assert commit is not None
+        store.when_synced(commit, told.append)
+        wait_until_sync(lambda: held.entered == 1, what="the syncer syncs")
+        assert told == [] and store.unsynced_commit() == commit
+        held.go.set()
+        wait_until_sync(lambda: told == [None], what="told once synced")
+        assert store.unsynced_commit() is None
+        store.pending("p")  # a read commits too, but has nothing to sync
+        assert store.unsynced_commit() is None
+        # What it synced is the database's WAL.
+        assert held.synced == [os.stat(f"{tmp_path / 'q.db'}-wal").st_ino]
+        done: list[BaseException | None] = []
+        store.when_synced(commit, done.append)  # synced already: told at once
+        assert done == [None]
+    finally:
+        store.close()
+
+
+def test_one_sync_covers_every_commit_made_before_it_began(tmp_path: Path, held: HeldSync) -> None:
+    store = _store(tmp_path / "q.db", held)
+    try:
+        told: list[tuple[int, BaseException | None]] = []
+        store.add("p:a", "{}", priority=0, orphaned=60)
+
+        def tell(commit: int) -> Callable[[BaseException | None], None]:
+            return lambda error: told.append((commit, error))
+
+        first = store.unsynced_commit()
+        assert first is not None
+        store.when_synced(first, tell(first))
+        wait_until_sync(lambda: held.entered == 1, what="the first sync begins")
+        for key in "bcd":  # committed while the first sync runs: it does not cover them
+            store.add(f"p:{key}", "{}", priority=0, orphaned=60)
+            commit = store.unsynced_commit()
+            assert commit is not None
+            store.when_synced(commit, tell(commit))
+        held.go.set()
+        wait_until_sync(lambda: len(told) == 4, what="every commit told")
+        assert told == [(first + i, None) for i in range(4)]
+        assert store.syncer is not None and store.syncer.syncs == 2
+    finally:
+        store.close()
+
+
+def test_a_failed_sync_stops_the_store_committing(tmp_path: Path, held: HeldSync) -> None:
+    """A failed fsync cannot be retried (the kernel may have dropped what it failed to
+    write): who waits is told, and nothing more commits."""
+    store = _store(tmp_path / "q.db", held)
+    try:
+        told: list[BaseException | None] = []
+        store.add("p:a", "{}", priority=0, orphaned=60)
+        commit = store.unsynced_commit()
+        assert commit is not None
+        held.failure = OSError(errno.EIO, "Input/output error")
+        store.when_synced(commit, told.append)
+        held.go.set()
+        wait_until_sync(lambda: len(told) == 1, what="told of the failure")
+        assert told == [held.failure]
+        with pytest.raises(StoreError, match="could not be synced"):
+            store.add("p:b", "{}", priority=0, orphaned=60)
+        with sqlite3.connect(tmp_path / "q.db") as reader:
+            assert reader.execute("SELECT key FROM items").fetchall() == [("a",)]
+        late: list[BaseException | None] = []
+        store.when_synced(commit, late.append)
+        assert late == [held.failure]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("synchronous", ["NORMAL", "FULL"])
+def test_a_store_that_syncs_in_its_commits_has_nothing_to_wait_for(
+    tmp_path: Path, synchronous: Any
+) -> None:
+    """FULL in its COMMIT (the default), or NORMAL (which never syncs a commit, even when
+    asked to sync in the background): answers need not wait."""
+    store = SqliteQueueStore(
+        tmp_path / "q.db", synchronous=synchronous, sync_in_background=synchronous == "NORMAL"
+    )
+    try:
+        store.add("p:a", "{}", priority=0, orphaned=60)
+        assert store.unsynced_commit() is None and store.syncer is None
+        assert not store.background_sync
+    finally:
+        store.close()
+
+
+async def _started(store: SqliteQueueStore, workdir: Path, **options: Any) -> QueueServer:
+    server = QueueServer(store, workdir / "s.sock", **options)
+    await server.start()
+    return server
+
+
+async def _armed(held: HeldSync, driver: SocketQueueDriver) -> None:
+    """Once the server's own first commits are synced and the client has connected: the
+    next sync is the test's."""
+    held.armed = False
+    await driver.add("warm:up", "{}", priority=0, orphaned=60)
+    held.armed = True
+
+
+async def test_an_answer_leaves_only_once_its_commit_is_synced(
+    workdir: Path, held: HeldSync
+) -> None:
+    store = _store(workdir / "q.db", held)
+    server = await _started(store, workdir)
+    driver = SocketQueueDriver(server.socket_path)
+    try:
+        await _armed(held, driver)
+        adding = asyncio.ensure_future(driver.add("p:a", '{"q": 1}', priority=0, orphaned=60))
+        await wait_until(lambda: held.entered == 1, what="the sync of the ADD's commit begins")
+        assert server._gate is not None
+        await wait_until(lambda: server._gate is not None and server._gate.held >= 1)
+        assert not adding.done()
+        with sqlite3.connect(workdir / "q.db") as reader:  # committed, not answered
+            assert reader.execute("SELECT key FROM items WHERE prefix = 'p'").fetchall() == [("a",)]
+        held.go.set()
+        answer = await asyncio.wait_for(adding, 30)
+        assert answer.added and answer.pending == 1
+        wal = (await server.describe())["wal"]
+        assert wal["answers_held_for_sync"] >= 1 and wal["wal_syncs"] >= 1
+    finally:
+        held.go.set()
+        await driver.close()
+        await server.stop()
+        store.close()
+
+
+async def test_answers_held_at_shutdown_are_synced_and_sent_before_the_hang_up(
+    workdir: Path, held: HeldSync
+) -> None:
+    store = _store(workdir / "q.db", held)
+    server = await _started(store, workdir)
+    driver = SocketQueueDriver(server.socket_path)
+    try:
+        await _armed(held, driver)
+        before = len(held.synced)
+        adding = asyncio.ensure_future(driver.add("p:a", '{"q": 1}', priority=0, orphaned=60))
+        await wait_until(lambda: held.entered == 1)
+        await server.stop()  # the background sync never ends: the shutdown syncs itself
+        answer = await asyncio.wait_for(adding, 30)
+        assert answer.added
+        assert held.entered == 1 and len(held.synced) == before + 1  # the shutdown's sync
+    finally:
+        held.go.set()
+        await driver.close()
+        await server.stop()
+        store.close()
+
+
+async def test_a_failed_sync_hangs_up_on_everyone_and_stops_the_server(
+    workdir: Path, held: HeldSync
+) -> None:
+    """Nothing the store holds unsynced can be promised any more, and it commits nothing
+    more: the server hangs up on every client, accepts no more, and says it failed (its
+    process exits with the error, to be restarted)."""
+    store = _store(workdir / "q.db", held)
+    server = await _started(store, workdir)
+    driver = SocketQueueDriver(server.socket_path, reconnect_timeout=0.5)
+    bystander = SocketQueueDriver(server.socket_path, reconnect_timeout=0.5)
+    try:
+        await _armed(held, driver)
+        await bystander.stats()
+        adding = asyncio.ensure_future(driver.add("p:a", '{"q": 1}', priority=0, orphaned=60))
+        await wait_until(lambda: held.entered == 1)
+        held.failure = OSError(errno.EIO, "Input/output error")
+        held.go.set()
+        await asyncio.wait_for(server.failed.wait(), 30)
+        assert server.failure is held.failure
+        with pytest.raises(SupervisorUnavailableError):
+            await asyncio.wait_for(adding, 30)
+        with pytest.raises(SupervisorUnavailableError):
+            await bystander.stats()
+    finally:
+        await driver.close()
+        await bystander.close()
+        await server.stop()
+        store.close()
+
+
+async def test_the_pools_worker_goes_on_to_its_next_query_while_answers_wait_for_a_sync(
+    workdir: Path, held: HeldSync, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's own ACK is answered at once (it dies with this host in the power loss
+    a sync guards against); its callers' answers wait for the sync."""
+    from tests.apps.pool_app import app as pool_app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = _store(workdir / "q.db", held)
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
+    server = await _started(store, workdir, pool=pool)
+    driver = SocketQueueDriver(server.socket_path)
+    queue = pool_app.pool_queue(driver, continue_wait_timeout=30.0)
+    try:
+        await pool.start()
+        await _armed(held, driver)
+        asks = [
+            asyncio.ensure_future(queue.run("sql", key, {"key": key, "seconds": 0.0}))
+            for key in ("one", "two", "three")
+        ]
+
+        def ended() -> set[str]:
+            return {t[1] for t in read_trace(workdir) if t[0] == "end"}
+
+        await wait_until(lambda: ended() == {"one", "two", "three"}, within=60)
+        assert held.entered == 1 and not any(ask.done() for ask in asks)
+        held.go.set()
+        answers = await asyncio.wait_for(asyncio.gather(*asks), 30)
+        assert [answer["key"] for answer in answers] == ["one", "two", "three"]
+    finally:
+        held.go.set()
+        await queue.shutdown(grace=0)
+        await driver.close()
+        await pool.stop(grace=0)
+        await server.stop()
+        store.close()
