@@ -9,7 +9,8 @@ import errno
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,21 @@ def _store(path: Path, sync: HeldSync, **options: Any) -> SqliteQueueStore:
     )
 
 
+def _added(store: SqliteQueueStore, key: str) -> int:
+    """ADD an item; the commit its answer waits for."""
+    store.add(f"p:{key}", "{}", priority=0, orphaned=60)
+    commit = store.unsynced_commit()
+    assert commit is not None
+    return commit
+
+
 def test_a_commit_is_unsynced_until_the_syncer_has_synced_the_wal(
     tmp_path: Path, held: HeldSync
 ) -> None:
     store = _store(tmp_path / "q.db", held)
     try:
         told: list[BaseException | None] = []
-        store.add("p:a", "{}", priority=0, orphaned=60)
-        commit = store.unsynced_commit()
-        assert commit is not None
+        commit = _added(store, "a")
         store.when_synced(commit, told.append)
         wait_until_sync(lambda: held.entered == 1, what="the syncer syncs")
         assert told == [] and store.unsynced_commit() == commit
@@ -86,19 +93,15 @@ def test_one_sync_covers_every_commit_made_before_it_began(tmp_path: Path, held:
     store = _store(tmp_path / "q.db", held)
     try:
         told: list[tuple[int, BaseException | None]] = []
-        store.add("p:a", "{}", priority=0, orphaned=60)
 
         def tell(commit: int) -> Callable[[BaseException | None], None]:
             return lambda error: told.append((commit, error))
 
-        first = store.unsynced_commit()
-        assert first is not None
+        first = _added(store, "a")
         store.when_synced(first, tell(first))
         wait_until_sync(lambda: held.entered == 1, what="the first sync begins")
         for key in "bcd":  # committed while the first sync runs: it does not cover them
-            store.add(f"p:{key}", "{}", priority=0, orphaned=60)
-            commit = store.unsynced_commit()
-            assert commit is not None
+            commit = _added(store, key)
             store.when_synced(commit, tell(commit))
         held.go.set()
         wait_until_sync(lambda: len(told) == 4, what="every commit told")
@@ -114,9 +117,7 @@ def test_a_failed_sync_stops_the_store_committing(tmp_path: Path, held: HeldSync
     store = _store(tmp_path / "q.db", held)
     try:
         told: list[BaseException | None] = []
-        store.add("p:a", "{}", priority=0, orphaned=60)
-        commit = store.unsynced_commit()
-        assert commit is not None
+        commit = _added(store, "a")
         held.failure = OSError(errno.EIO, "Input/output error")
         store.when_synced(commit, told.append)
         held.go.set()
@@ -164,17 +165,35 @@ async def _armed(held: HeldSync, driver: SocketQueueDriver) -> None:
     held.armed = True
 
 
+@asynccontextmanager
+async def _serving(
+    workdir: Path, held: HeldSync, **driver_options: Any
+) -> AsyncIterator[tuple[SqliteQueueStore, QueueServer, SocketQueueDriver]]:
+    """A server on a FULL store syncing in the background, a client, the sync armed."""
+    store = _store(workdir / "q.db", held)
+    server = await _started(store, workdir)
+    driver = SocketQueueDriver(server.socket_path, **driver_options)
+    try:
+        await _armed(held, driver)
+        yield store, server, driver
+    finally:
+        held.go.set()
+        await driver.close()
+        await server.stop()
+        store.close()
+
+
+async def _add_awaiting_its_sync(driver: SocketQueueDriver, held: HeldSync) -> asyncio.Future[Any]:
+    adding = asyncio.ensure_future(driver.add("p:a", '{"q": 1}', priority=0, orphaned=60))
+    await wait_until(lambda: held.entered == 1, what="the sync of the ADD's commit begins")
+    return adding
+
+
 async def test_an_answer_leaves_only_once_its_commit_is_synced(
     workdir: Path, held: HeldSync
 ) -> None:
-    store = _store(workdir / "q.db", held)
-    server = await _started(store, workdir)
-    driver = SocketQueueDriver(server.socket_path)
-    try:
-        await _armed(held, driver)
-        adding = asyncio.ensure_future(driver.add("p:a", '{"q": 1}', priority=0, orphaned=60))
-        await wait_until(lambda: held.entered == 1, what="the sync of the ADD's commit begins")
-        assert server._gate is not None
+    async with _serving(workdir, held) as (_, server, driver):
+        adding = await _add_awaiting_its_sync(driver, held)
         await wait_until(lambda: server._gate is not None and server._gate.held >= 1)
         assert not adding.done()
         with sqlite3.connect(workdir / "q.db") as reader:  # committed, not answered
@@ -184,33 +203,18 @@ async def test_an_answer_leaves_only_once_its_commit_is_synced(
         assert answer.added and answer.pending == 1
         wal = (await server.describe())["wal"]
         assert wal["answers_held_for_sync"] >= 1 and wal["wal_syncs"] >= 1
-    finally:
-        held.go.set()
-        await driver.close()
-        await server.stop()
-        store.close()
 
 
 async def test_answers_held_at_shutdown_are_synced_and_sent_before_the_hang_up(
     workdir: Path, held: HeldSync
 ) -> None:
-    store = _store(workdir / "q.db", held)
-    server = await _started(store, workdir)
-    driver = SocketQueueDriver(server.socket_path)
-    try:
-        await _armed(held, driver)
+    async with _serving(workdir, held) as (_, server, driver):
         before = len(held.synced)
-        adding = asyncio.ensure_future(driver.add("p:a", '{"q": 1}', priority=0, orphaned=60))
-        await wait_until(lambda: held.entered == 1)
+        adding = await _add_awaiting_its_sync(driver, held)
         await server.stop()  # the background sync never ends: the shutdown syncs itself
         answer = await asyncio.wait_for(adding, 30)
         assert answer.added
         assert held.entered == 1 and len(held.synced) == before + 1  # the shutdown's sync
-    finally:
-        held.go.set()
-        await driver.close()
-        await server.stop()
-        store.close()
 
 
 async def test_a_failed_sync_hangs_up_on_everyone_and_stops_the_server(
@@ -219,28 +223,21 @@ async def test_a_failed_sync_hangs_up_on_everyone_and_stops_the_server(
     """Nothing the store holds unsynced can be promised any more, and it commits nothing
     more: the server hangs up on every client, accepts no more, and says it failed (its
     process exits with the error, to be restarted)."""
-    store = _store(workdir / "q.db", held)
-    server = await _started(store, workdir)
-    driver = SocketQueueDriver(server.socket_path, reconnect_timeout=0.5)
-    bystander = SocketQueueDriver(server.socket_path, reconnect_timeout=0.5)
-    try:
-        await _armed(held, driver)
-        await bystander.stats()
-        adding = asyncio.ensure_future(driver.add("p:a", '{"q": 1}', priority=0, orphaned=60))
-        await wait_until(lambda: held.entered == 1)
-        held.failure = OSError(errno.EIO, "Input/output error")
-        held.go.set()
-        await asyncio.wait_for(server.failed.wait(), 30)
-        assert server.failure is held.failure
-        with pytest.raises(SupervisorUnavailableError):
-            await asyncio.wait_for(adding, 30)
-        with pytest.raises(SupervisorUnavailableError):
+    async with _serving(workdir, held, reconnect_timeout=0.5) as (_, server, driver):
+        bystander = SocketQueueDriver(server.socket_path, reconnect_timeout=0.5)
+        try:
             await bystander.stats()
-    finally:
-        await driver.close()
-        await bystander.close()
-        await server.stop()
-        store.close()
+            adding = await _add_awaiting_its_sync(driver, held)
+            held.failure = OSError(errno.EIO, "Input/output error")
+            held.go.set()
+            await asyncio.wait_for(server.failed.wait(), 30)
+            assert server.failure is held.failure
+            with pytest.raises(SupervisorUnavailableError):
+                await asyncio.wait_for(adding, 30)
+            with pytest.raises(SupervisorUnavailableError):
+                await bystander.stats()
+        finally:
+            await bystander.close()
 
 
 async def test_the_pools_worker_goes_on_to_its_next_query_while_answers_wait_for_a_sync(
