@@ -22,6 +22,7 @@ to be restarted, as PostgreSQL stops at a failed fsync of its WAL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -70,10 +71,13 @@ class SyncGate:
     def _ask(self, commit: int) -> None:
         self._asked = commit
         loop = self.loop
-        # Called on the syncer's thread (or here, at once, if it is synced already).
-        self.store.when_synced(
-            commit, lambda error: loop.call_soon_threadsafe(self._synced, commit, error)
-        )
+
+        def synced(error: BaseException | None) -> None:
+            # On the syncer's thread (or here, at once, if it is synced already).
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._synced, commit, error)
+
+        self.store.when_synced(commit, synced)
 
     def _synced(self, commit: int, error: BaseException | None) -> None:
         self._asked = None

@@ -276,3 +276,29 @@ async def test_the_pools_worker_goes_on_to_its_next_query_while_answers_wait_for
         await pool.stop(grace=0)
         await server.stop()
         store.close()
+
+
+async def test_a_supervisor_whose_sync_failed_exits_with_the_error(
+    workdir: Path, held: HeldSync, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve` (the supervisor's process) stops once its server failed, and says why."""
+    from queryqueue.supervisor import process
+
+    held.armed = False
+    monkeypatch.setattr(process, "open_store", lambda db, **_: _store(Path(db), held))
+    ready = asyncio.Event()
+    serving = asyncio.ensure_future(
+        process.serve(workdir / "q.db", workdir / "s.sock", synchronous="FULL", ready=ready)
+    )
+    driver = SocketQueueDriver(workdir / "s.sock", reconnect_timeout=0.5)
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        held.failure = OSError(errno.EIO, "Input/output error")
+        with pytest.raises(SupervisorUnavailableError):
+            await driver.add("p:a", "{}", priority=0, orphaned=60)
+        with pytest.raises(StoreError, match="Input/output error"):
+            await asyncio.wait_for(serving, 30)
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await driver.close()
