@@ -249,6 +249,23 @@ class _StateCollector(Collector):
             "queryqueue_db_bytes", "Size of the SQLite database file", files.get("db_bytes")
         )
         yield _gauge("queryqueue_wal_bytes", "Size of the SQLite WAL file", files.get("wal_bytes"))
+        # SQLite FULL in a supervisor (syncer.py): the WAL is synced when an answer waits
+        # for a commit (commits nobody waits for wait for the next sync or checkpoint).
+        wal = status.get("wal") or {}
+        for name, doc, field in (
+            ("queryqueue_wal_syncs", "WAL fsyncs made for answers (FULL)", "wal_syncs"),
+            (
+                "queryqueue_commits_unsynced",
+                "Commits since the last WAL fsync (FULL)",
+                "commits_unsynced",
+            ),
+            (
+                "queryqueue_answers_held_for_sync",
+                "Answers that waited for a WAL fsync (FULL)",
+                "answers_held_for_sync",
+            ),
+        ):
+            yield _gauge(name, doc, wal.get(field))
         yield _gauge("queryqueue_connections", "Client connections", status.get("connections"))
 
 

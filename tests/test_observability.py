@@ -78,7 +78,8 @@ def _pool_host(workdir: Path, workers: int, *options: str) -> SupervisorProcess:
 @pytest.fixture
 def http_host(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SupervisorProcess]:
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    host = _pool_host(workdir, 2, "--http", "127.0.0.1:0")
+    # FULL: answers wait for the WAL's fsync off the loop (synced.py), end to end here.
+    host = _pool_host(workdir, 2, "--http", "127.0.0.1:0", "--synchronous", "FULL")
     try:
         yield host
     finally:
@@ -151,6 +152,10 @@ async def test_metrics_count_executions_and_dedup_hits_per_prefix(
     assert after[("queryqueue_wait_seconds_count", handler)] == 5
     assert after[("queryqueue_command_seconds_count", (("command", "ack"),))] >= 5
     assert after[("queryqueue_db_bytes", ())] > 0
+    # The answers above waited for syncs of their commits (FULL, off the loop).
+    assert after[("queryqueue_wal_syncs", ())] >= 1
+    assert after[("queryqueue_answers_held_for_sync", ())] >= 1
+    assert ("queryqueue_commits_unsynced", ()) in after
     status = site.status()
     assert [r["query_key"] for r in status["recent"]].count("shared") == 1
     assert {w["pid"] for w in status["pool"]["workers"]} == {
