@@ -139,10 +139,12 @@ _SESSION_ENDED = (
 
 
 def _gone(conn: psycopg.Connection[Any], exc: BaseException) -> bool:
-    """The connection cannot be used again (what ran on it since BEGIN did not commit)."""
+    """The connection cannot be used again (what ran on it since BEGIN did not commit).
+    One its server ended is closed here, so that the next command takes a fresh one
+    (psycopg would not see it broken until its next write)."""
     if isinstance(exc, _SESSION_ENDED) and not conn.closed:
         with contextlib.suppress(psycopg.Error):
-            conn.close()  # the next command takes a fresh one
+            conn.close()
         return True
     return conn.broken or conn.closed
 

@@ -429,7 +429,6 @@ class SqliteQueueStore(QueueStore):
             )
             if background:
                 # The WAL exists from the connection's first transaction (the migration's).
-                self.background_sync = True
                 self._changes_seen = self._conn.total_changes
                 self.syncer = WalSyncer(
                     Path(f"{self.path}-wal"), **({} if wal_sync is None else {"sync": wal_sync})
@@ -583,6 +582,10 @@ class SqliteQueueStore(QueueStore):
                 self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             except sqlite3.Error as exc:
                 raise StoreError(f"checkpoint of {self.path} failed: {exc}") from exc
+
+    @property
+    def background_sync(self) -> bool:  # type: ignore[override]
+        return self.syncer is not None
 
     def unsynced_commit(self) -> int | None:
         return None if self.syncer is None else self.syncer.unsynced()

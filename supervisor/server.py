@@ -3,8 +3,9 @@
 Like Cube Store, it serializes every write. Commands from all connections go through one
 executor that runs whatever has arrived together in one transaction (group commit: one
 WAL commit), each command in a savepoint of its own, and answers only once that
-transaction has committed (with SQLite FULL, once a sync covers it: synced.py). RESULT_BLOCKING is parked in memory and woken
-by the ACK that completes the item (or answered empty at its timeout): nothing polls.
+transaction has committed (with SQLite FULL, once a sync covers it: synced.py).
+RESULT_BLOCKING is parked in memory and woken by the ACK that completes the item (or
+answered empty at its timeout): nothing polls.
 """
 
 from __future__ import annotations
