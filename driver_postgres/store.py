@@ -80,6 +80,8 @@ CLAIMED_WAIT_S = 5.0
 # The active items a prefix's lock reads with it while there are no more (see schema.py):
 # most commands need them or nothing; a prefix with many more reads them when asked.
 ACTIVE_PREFETCH = 32
+# The rows a pool's PENDING head is read ahead with beyond what it asks for (`_Head`).
+HEAD_SPARE = 8
 _IDLE, _INTRANS = psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS
 _SAVEPOINT = "SAVEPOINT command"
 _NEXT_SAVEPOINT = "RELEASE SAVEPOINT command; SAVEPOINT command"
@@ -283,6 +285,69 @@ class _Ending:
         self.committing = True
 
 
+class _Head:
+    """The head of a prefix's PENDING as one process sees it (the pool's retrieval, at
+    the end of a batch that freed a slot or added work), read with the batch's first
+    statements and kept up to date with the batch's own writes: under the prefix's lock
+    only this transaction changes the prefix's items, so the window read, less what the
+    batch activated or deleted, plus what it inserted pending, is what reading it again
+    would find. The retrieval then waits for no read of its own. A window that may have
+    lost a row it needs (it was read full, and shrank below what is asked) or whose rows
+    changed otherwise answers nothing, and the listing is read as it always was."""
+
+    __slots__ = ("cursor", "full", "limit", "prefix", "process_id", "rows", "valid")
+
+    def __init__(
+        self, prefix: str, process_id: str | None, limit: int, cursor: psycopg.Cursor[Any]
+    ) -> None:
+        self.prefix, self.process_id, self.limit = prefix, process_id, limit
+        self.cursor: psycopg.Cursor[Any] | None = cursor
+        self.rows: list[Item] = []
+        self.full = False
+        self.valid = True
+
+    def _read(self) -> list[Item]:
+        cursor, self.cursor = self.cursor, None
+        if cursor is not None:
+            self.rows = [item_from_row(row) for row in cursor.fetchall()]
+            self.full = len(self.rows) >= self.limit
+        return self.rows
+
+    def sees(self, item: Item) -> bool:
+        return item.prefix == self.prefix and (
+            not item.exclusive or item.process_id == self.process_id
+        )
+
+    def inserted(self, item: Item) -> None:
+        if not self.valid or item.status != "pending" or not self.sees(item):
+            return
+        rows, order = self._read(), (-item.priority, item.id)
+        at = bisect.bisect([(-row.priority, row.id) for row in rows], order)
+        if at < len(rows) or not self.full:  # past a full window: in the part not read
+            rows.insert(at, item)
+
+    def gone(self, item: Item) -> None:
+        """Activated or deleted: no longer pending."""
+        if self.valid and self.sees(item):
+            self.rows = [row for row in self._read() if row.id != item.id]
+
+    def changed(self, item: Item) -> None:
+        """A write to a row the window may hold, other than `gone`'s."""
+        if self.valid and self.sees(item) and any(r.id == item.id for r in self._read()):
+            self.valid = False
+
+    def drop(self) -> None:
+        self.valid, self.cursor, self.rows = False, None, []
+
+    def head(self, prefix: str, process_id: str | None, limit: int) -> list[Item] | None:
+        if not self.valid or (prefix, process_id) != (self.prefix, self.process_id):
+            return None
+        rows = self._read()
+        if self.full and len(rows) < limit:
+            return None
+        return rows[:limit]
+
+
 class _Batch:
     """A group commit in progress on one thread's connection: the prefixes whose lock it
     holds (taken by commands that committed into it) and what it knows of them, whether
@@ -297,11 +362,13 @@ class _Batch:
         "expected",
         "failure",
         "foreseen",
+        "head",
         "kept",
         "known",
         "locked",
         "pipelined",
         "prefix",
+        "retrieval",
         "savepoint",
         "wrote",
         "xid",
@@ -326,6 +393,10 @@ class _Batch:
         # the batch's first statements, after its prefix's lock (`foreseen`, by id).
         self.expected: list[int] = []
         self.foreseen: dict[int, psycopg.Cursor[Any]] = {}
+        # The pool's retrieval it will likely make (`PostgresQueueStore.expect_retrieval`):
+        # (prefix, process id, rows), its head read ahead too (`head`).
+        self.retrieval: tuple[str, str | None, int] | None = None
+        self.head: _Head | None = None
 
     def answered_xid(self) -> int | None:
         """The transaction's id, if a read or a write's answer gave it already."""
@@ -344,6 +415,7 @@ class PostgresTransaction:
         *,
         pipelined: bool = False,
         foreseen: dict[int, psycopg.Cursor[Any]] | None = None,
+        head: _Head | None = None,
     ) -> None:
         self._c = conn
         self._pipelined = pipelined
@@ -367,10 +439,19 @@ class PostgresTransaction:
         # The batch's reads of items by id, sent ahead (`_Batch.foreseen`): shared by its
         # commands, each dropped once a command changes its item (it would be stale).
         self._foreseen = foreseen if foreseen is not None else {}
+        self._head = head
 
-    def _write_item(self, item: Item, query: str, params: tuple[Any, ...]) -> psycopg.Cursor[Any]:
-        """A write to `item`'s row: what the batch read of it ahead is stale from now on."""
+    def _write_item(
+        self, item: Item, query: str, params: tuple[Any, ...], *, pending: bool = True
+    ) -> psycopg.Cursor[Any]:
+        """A write to `item`'s row: what the batch read of it ahead is stale from now on.
+        `pending`: it stays pending if it was (else the head's `gone` follows)."""
         self._foreseen.pop(item.id, None)
+        if self._head is not None:
+            if pending:
+                self._head.changed(item)
+            else:
+                self._head.gone(item)
         return self._write(query, params)
 
     def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
@@ -523,6 +604,8 @@ class PostgresTransaction:
             ) from exc
         assert row is not None
         self.xid = int(row[1])
+        if self._head is not None:
+            self._head.inserted(replace(item, id=int(row[0])))
         if item.status == "pending":
             self._count(item.prefix, 1, 0)
         else:
@@ -541,6 +624,7 @@ class PostgresTransaction:
             item,
             "UPDATE items SET status = %s, heartbeat = %s, extra = %s WHERE id = %s",
             (ACTIVE, now, extra, item.id),
+            pending=False,
         )
         self._count(item.prefix, -1, 1)
         self.known.activated(item)
@@ -557,7 +641,10 @@ class PostgresTransaction:
     def delete(self, item: Item) -> None:
         self._settle()
         cursor = self._write_item(
-            item, "DELETE FROM items WHERE id = %s RETURNING txid_current()", (item.id,)
+            item,
+            "DELETE FROM items WHERE id = %s RETURNING txid_current()",
+            (item.id,),
+            pending=False,
         )
         if self.xid is None:
             self.xid_cursors.append(cursor)
@@ -601,6 +688,10 @@ class PostgresTransaction:
         with_payload: bool,
         limit: int | None,
     ) -> list[Item]:
+        if self._head is not None and status == "pending" and with_payload and limit:
+            head = self._head.head(prefix, process_id, limit)
+            if head is not None:
+                return head
         columns = ITEM_COLUMNS + (", payload" if with_payload else "")
         where = "prefix = %s AND (NOT exclusive OR process_id IS NOT DISTINCT FROM %s)"
         params: list[Any] = [prefix, process_id]
@@ -729,6 +820,8 @@ class PostgresTransaction:
     def truncate(self) -> None:
         self._settle()
         self._foreseen.clear()
+        if self._head is not None:
+            self._head.drop()
         self.known = _Known()
         # DELETE rather than TRUNCATE: the identity keeps counting, ids are never reused.
         self._write("DELETE FROM items")
@@ -1007,6 +1100,8 @@ class PostgresQueueStore(QueueStore):
         if batch.kept or tx.wrote:
             return _Redo()
         batch.foreseen.clear()  # read under the lock the rollback lets go
+        if batch.head is not None:
+            batch.head.drop()
         try:
             with self._watchdog.watching(conn):
                 conn.rollback()
@@ -1033,6 +1128,14 @@ class PostgresQueueStore(QueueStore):
             if method == "ack" and args and type(args[0]) is int
         ]
 
+    def expect_retrieval(self, prefix: str, process_id: str | None, limit: int) -> None:
+        """The pool's retrieval this pipelined batch of `prefix` will likely make (its
+        slot freed or work added): the head of PENDING is read with its first statements
+        (`_Head`), not after its commands, where it cost a round trip of its own."""
+        batch: _Batch | None = getattr(self._local, "batch", None)
+        if batch is not None and batch.pipelined and batch.prefix == prefix:
+            batch.retrieval = (prefix, process_id, limit)
+
     def _send_expected(self, batch: _Batch) -> None:
         """`expect`'s reads, after the batch's prefix lock (rows are locked after it, as
         every transaction does, or two could wait on each other)."""
@@ -1040,6 +1143,18 @@ class PostgresQueueStore(QueueStore):
         for id in expected:
             if id not in batch.foreseen:
                 batch.foreseen[id] = batch.conn.execute(_FIND_BY_ID_IN_PREFIX, (id, batch.prefix))
+        retrieval, batch.retrieval = batch.retrieval, None
+        if retrieval is not None and batch.head is None:
+            prefix, process_id, limit = retrieval
+            # Rows to spare: the batch's own activations and deletions take some away.
+            window = limit + HEAD_SPARE
+            cursor = batch.conn.execute(
+                f"SELECT {ITEM_COLUMNS}, payload FROM items WHERE prefix = %s AND status = %s"
+                " AND (NOT exclusive OR process_id IS NOT DISTINCT FROM %s)"
+                " ORDER BY priority DESC, id LIMIT %s",
+                (prefix, PENDING, process_id, window),
+            )
+            batch.head = _Head(prefix, process_id, window, cursor)
 
     @contextmanager
     def _command_in(self, batch: _Batch) -> Iterator[PostgresTransaction]:
@@ -1062,6 +1177,7 @@ class PostgresQueueStore(QueueStore):
             self.origin,
             pipelined=pipelined,
             foreseen=batch.foreseen,
+            head=batch.head,
         )
         try:
             with self._watchdog.watching(conn):
@@ -1074,6 +1190,7 @@ class PostgresQueueStore(QueueStore):
                     elif batch.prefix is not None:
                         tx.lock(batch.prefix)  # the batch's prefix, before any row
                         self._send_expected(batch)
+                        tx._head = batch.head
                     yield tx
                 except BaseException as exc:
                     if isinstance(exc, _Redo):

@@ -57,3 +57,7 @@ class GroupCommit:
         """The commands (name, positional arguments) a `batch` is about to run, in order:
         a store whose reads cost a round trip each may send some ahead, together. A hint:
         each command still runs and reads as it would without it."""
+
+    def expect_retrieval(self, prefix: str, process_id: str | None, limit: int) -> None:
+        """A hint as `expect`'s: the `batch` will likely end with `retrieve_next(prefix,
+        ...)` for that process, at most `limit` rows."""

@@ -369,6 +369,20 @@ class _Request:
     pool_step: bool = False  # a worker's step of a pool job (`_note_acks`): not held
 
 
+def _acks_last(batch: list[_Request]) -> list[_Request]:
+    """A lane's batch with the commands of connections that sent an ACK after all the
+    others, each connection's in the order they came. ACKs by queue id have their items
+    read ahead with the batch's lock (`expect`), while an ADD reads as it runs: run first,
+    the ADD's read waits for the ACKs' reads too (one round trip where ACK-then-ADD took
+    two). Commands of different connections that arrived together have no order between
+    them (they could as well have been read from their sockets the other way round)."""
+    acking = {id(r.connection) for r in batch if r.method == "ack"}
+    if not acking or len(acking) == len({id(r.connection) for r in batch}):
+        return batch
+    first = [r for r in batch if id(r.connection) not in acking]
+    return first + [r for r in batch if id(r.connection) in acking]
+
+
 def _file_sizes(path: Any) -> dict[str, int | None]:
     """A SQLite store's database and WAL sizes (none for a server-side store)."""
     if not isinstance(path, str | Path) or str(path) == ":memory:":
@@ -1081,6 +1095,7 @@ class QueueServer:
     async def _execute_off_loop(self, batch: list[_Request], route: str | None) -> None:
         try:
             while batch:
+                batch = _acks_last(batch)
                 try:
                     answers, for_pool = await self.store.run_off_loop(
                         self._execute_here, batch, route, route=route
@@ -1190,6 +1205,7 @@ class QueueServer:
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         answers: list[tuple[bool, Any]] = []
         self.store.expect((r.method, r.args) for r in batch if r.refused is None)
+        self._expect_retrieval(batch)
         try:
             return self._attempt_into(batch, answers)
         except BaseException:
@@ -1219,6 +1235,20 @@ class QueueServer:
             return answers, None
         # Nothing pending is found nothing: no listing, and no reconcile poked for it.
         return answers, self._retrieve_for_pool() if due else []
+
+    def _expect_retrieval(self, batch: list[_Request]) -> None:
+        """Tell the store of the pool's retrieval the batch will likely end with (a slot
+        it may free, work it may add), so it can read for it ahead (`expect_retrieval`)."""
+        pool = self.pool
+        if pool is None or pool.queue is None or self._stopping or pool.stopping:
+            return
+        full = pool.full
+        for request in batch:
+            command = COMMANDS.get(request.method)
+            if command is not None and (command.frees_slot or (command.adds and not full)):
+                queue = pool.queue
+                self.store.expect_retrieval(queue.prefix, queue.process_uid, queue.concurrency)
+                return
 
     def _gives_work(self, request: _Request, ok: bool, answer: Any) -> bool:
         """An ADD that inserted work for the pool while it has an idle slot ends its batch

@@ -311,3 +311,30 @@ async def test_a_batch_run_again_with_savepoints_leaves_no_long_poll_of_its_firs
         await caller.close()
         await server.stop()
         store.close()
+
+
+def test_a_lanes_batch_runs_the_acks_connections_last_each_connection_in_order() -> None:
+    """On a blocking store's lane a batch runs the commands of connections that sent an
+    ACK after the others (the ADDs' reads then wait together with the ACKs' items, read
+    ahead): each connection's commands keep their order, and a batch with no ACK, or
+    only ACKing connections, is left as it came."""
+    worker, caller, other = object(), object(), object()
+
+    def request(connection: object, method: str, n: int) -> Any:
+        return server_module._Request(connection, n, method, [n], {}, None, 0.0)  # type: ignore[arg-type]
+
+    batch = [
+        request(worker, "heartbeat", 1),
+        request(caller, "add", 2),
+        request(worker, "ack", 3),
+        request(other, "ack", 4),
+        request(caller, "result_blocking", 5),
+        request(worker, "add", 6),
+    ]
+    ordered = server_module._acks_last(batch)
+    assert [r.id for r in ordered] == [2, 5, 1, 3, 4, 6]
+    assert sorted(r.id for r in ordered) == [r.id for r in batch]
+    no_ack = [request(caller, "add", 1), request(other, "add", 2)]
+    assert server_module._acks_last(no_ack) == no_ack
+    only_acking = [request(worker, "ack", 1), request(other, "add", 2), request(other, "ack", 3)]
+    assert server_module._acks_last(only_acking) == only_acking

@@ -933,6 +933,82 @@ def test_a_batchs_acks_by_id_are_read_with_its_first_statements(
         store.close()
 
 
+def test_the_pools_retrieval_is_read_with_the_batchs_first_statements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A supervisor's batch that frees a slot ends with its pool's retrieval; told so
+    (`expect_retrieval`), the store reads the head of PENDING with the batch's lock and
+    its ACKs' items, and keeps it up to date with the batch's own writes: an ADD, then a
+    worker's ACK, then the retrieval wait once for the database before the COMMIT (the
+    ADD's reads, which bring the rest), and the retrieval takes the ADD's item, of the
+    highest priority, before the one queued earlier."""
+    from psycopg import _pipeline_base
+
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        store.ack(store.add("p:warm", "{}").id, None)  # the first ACK's purge, done
+        a = store.add("p:a", "{}").id
+        store.add("p:b", "{}")
+        assert [r.id for r in store.retrieve_next("p", concurrency=1, process_id="pool")] == [a]
+        events = _recording(store, monkeypatch)
+        fetch = _pipeline_base.BasePipeline._fetch_gen
+
+        def waited(self: Any, *args: Any, flush: bool = False) -> Any:
+            if flush:
+                events.append("<wait>")
+            return fetch(self, *args, flush=flush)
+
+        monkeypatch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", waited)
+
+        def work() -> list[Any]:
+            store.expect([("add", ("p:c", "{}")), ("ack", (a, '"ra"'))])
+            store.expect_retrieval("p", "pool", 1)
+            return [
+                store.add("p:c", "{}", priority=5),
+                store.ack(a, '"ra"'),
+                store.retrieve_next("p", concurrency=1, process_id="pool"),
+            ]
+
+        added, acked, retrieved = store.batched(work, lambda _: None, prefix="p")
+        monkeypatch.undo()
+        assert added.added and acked.success
+        assert [(r.key, r.id, r.pending) for r in retrieved] == [("c", added.id, 1)]
+        before_commit = events[: events.index("COMMIT")]
+        assert before_commit.count("<wait>") == 1, before_commit
+        assert not [s for s in before_commit[before_commit.index("<wait>") :] if "LIMIT" in s]
+        assert [row.id for row in store.pending("p")] == ["b"]
+    finally:
+        store.close()
+
+
+def test_an_item_added_past_a_full_head_waits_behind_the_rows_not_read() -> None:
+    """The head read ahead is a window: full, what lies past its last row was not read.
+    An item the batch adds past it is not put there (a row not read may come first), and
+    a retrieval that needs more rows than the window still holds reads the listing."""
+    from unittest import mock
+
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        ids = [store.add(f"p:{key}", "{}", priority=p).id for key, p in (("a", 10), ("b", 5))]
+
+        def work() -> Any:
+            store.expect([("add", ("p:c", "{}"))])
+            store.expect_retrieval("p", "pool", 1)
+            store.add("p:c", "{}", priority=1)
+            return store.retrieve_next("p", concurrency=2, process_id="pool")
+
+        with mock.patch("queryqueue.driver_postgres.store.HEAD_SPARE", 0):  # one row read
+            retrieved = store.batched(work, lambda _: None, prefix="p")
+        assert [r.id for r in retrieved] == ids
+        assert [row.id for row in store.pending("p")] == ["c"]
+    finally:
+        store.close()
+
+
 def test_an_item_read_ahead_and_changed_in_the_batch_is_read_again() -> None:
     """What a batch read ahead for an ACK is as it was before the batch's commands ran:
     one that changed the item first (a RETRIEVE that made it active, an ACK before it)

@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -26,6 +27,7 @@ PREFIXES = ["a", "b"]
 KEYS = ["k1", "k2", "k3", "k4", "k5", "x@p1"]
 PROCESSES = [None, "p1", "p2"]
 EXTERNAL_IDS = [None, "e1", "e2"]
+POOL_PROCESS = "pool"  # the process a supervisor's pool retrieves for
 
 paths = st.builds(lambda p, k: f"{p}:{k}", st.sampled_from(PREFIXES), st.sampled_from(KEYS))
 queue_ids = st.integers(min_value=1, max_value=40)
@@ -212,7 +214,15 @@ TestPostgresAgrees.settings = settings(max_examples=150, stateful_step_count=30,
 queue_ids_of_a_batch = st.integers(min_value=1, max_value=8)
 batch_keys = st.one_of(paths, queue_ids_of_a_batch)
 add_options = st.fixed_dictionaries(
-    {}, optional={"external_id": st.sampled_from(EXTERNAL_IDS), "if_no_result": st.booleans()}
+    {},
+    optional={
+        "external_id": st.sampled_from(EXTERNAL_IDS),
+        "if_no_result": st.booleans(),
+        "priority": st.sampled_from([0, 1, 10]),
+        # Another process's exclusive item: the pool's retrieval (`retrieve_next`) skips it.
+        "exclusive": st.just(True),
+        "process_id": st.sampled_from([POOL_PROCESS, "p2"]),
+    },
 )
 command_lists = st.lists(
     st.one_of(
@@ -227,6 +237,8 @@ command_lists = st.lists(
         # What a supervisor's batches are made of: its workers' ACKs, by queue id.
         st.tuples(st.just("ack"), queue_ids_of_a_batch, st.just('{"r":2}')),
         st.tuples(st.just("retrieve"), queue_ids_of_a_batch, st.integers(1, 3)),
+        # What a supervisor's batch ends with when it freed a slot or added work.
+        st.tuples(st.just("retrieve_next"), st.sampled_from(PREFIXES), st.integers(1, 3)),
     ),
     min_size=1,
     max_size=25,
@@ -255,6 +267,10 @@ def _calls(commands: list[tuple[Any, ...]]) -> list[tuple[str, tuple[Any, ...], 
             calls.append((name, (command[1], "{}", command[2]), command[3]))
         elif name == "retrieve":
             calls.append((name, (command[1],), {"concurrency": command[2]}))
+        elif name == "retrieve_next":
+            calls.append(
+                (name, (command[1],), {"concurrency": command[2], "process_id": POOL_PROCESS})
+            )
         else:
             calls.append((name, tuple(command[1:]), {}))
     return calls
@@ -305,6 +321,74 @@ def test_a_batch_answers_as_its_commands_one_by_one(
 def _batched(store: QueueStore, commands: list[tuple[Any, ...]], prefix: str | None) -> list[Any]:
     def work() -> list[Any]:
         store.expect((name, args) for name, args, _ in _calls(commands))  # as a supervisor does
+        if prefix is not None:  # its pool's retrieval, whether the batch makes it or not
+            store.expect_retrieval(prefix, POOL_PROCESS, 2)
         return _run_all(store, commands)
 
     return store.batched(work, lambda _: None, prefix)
+
+
+# The commands a pool's batch is made of, all valid (an invalid one would have the batch
+# run again guarded, where nothing is read ahead): what `_Head` must keep up with.
+pool_adds = st.tuples(
+    st.just("add"),
+    st.builds(lambda k: f"a:{k}", st.sampled_from(["k1", "k2", "k3", "k4", "k5", "k6"])),
+    st.just("{}"),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "priority": st.sampled_from([0, 1, 10]),
+            "exclusive": st.just(True),
+            "process_id": st.sampled_from([POOL_PROCESS, "p2"]),
+        },
+    ).filter(lambda options: "exclusive" not in options or "process_id" in options),
+)
+pool_commands = st.lists(
+    st.one_of(
+        pool_adds,
+        st.tuples(st.just("ack"), queue_ids_of_a_batch, st.just('{"r":2}')),
+        st.tuples(st.just("cancel"), queue_ids_of_a_batch),
+        st.tuples(st.just("heartbeat"), queue_ids_of_a_batch),
+        st.tuples(st.just("retrieve_next"), st.just("a"), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=20,
+)
+
+
+@pytest.mark.skipif(postgres_unavailable() is not None, reason="no PostgreSQL")
+@settings(max_examples=int(os.environ.get("QQ_BATCH_EXAMPLES", "30")), deadline=None)
+@given(
+    before=st.lists(pool_adds, min_size=0, max_size=12),
+    commands=pool_commands,
+    spare=st.sampled_from([0, 1, 8]),
+)
+def test_a_pool_batch_retrieves_what_its_commands_one_by_one_would(
+    before: list[tuple[Any, ...]], commands: list[tuple[Any, ...]], spare: int
+) -> None:
+    """A supervisor's batch reads the head of PENDING for its pool's retrieval with its
+    first statements (`expect_retrieval`), before its commands insert, activate, cancel
+    or complete items: what the retrieval then takes, and every answer, are the model's
+    for the commands run one by one; a full window that shrank below what is asked, or
+    exclusive items of another process, change nothing of it."""
+    model = MemoryQueueStore(clock=ManualClock(), result_ttl_ms=5_000)
+    store = postgres_store(clock=model.clock, result_ttl_ms=5_000)
+    try:
+        for target in (model, store):
+            _run_all(target, before)
+        expected = _run_all(model, commands)
+
+        def work() -> list[Any]:
+            store.expect((name, args) for name, args, _ in _calls(commands))
+            store.expect_retrieval("a", POOL_PROCESS, 1)
+            return _run_all(store, commands)
+
+        # A window (1 + spare rows) that fills up and shrinks past what is asked.
+        with mock.patch("queryqueue.driver_postgres.store.HEAD_SPARE", spare):
+            assert store.batched(work, lambda _: None, "a") == expected
+        assert store.list_items("a") == model.list_items("a")
+        assert call(store, "retrieve_next", "a", concurrency=20, process_id=POOL_PROCESS) == (
+            call(model, "retrieve_next", "a", concurrency=20, process_id=POOL_PROCESS)
+        )
+    finally:
+        store.close()
