@@ -44,6 +44,7 @@ import orjson
 import psycopg
 from psycopg import sql
 
+from queryqueue.driver_postgres.lean import Executor, Lean, Rows, Statements
 from queryqueue.driver_postgres.schema import ACTIVE, PENDING, migrate
 from queryqueue.driver_postgres.watchdog import Watchdog
 from queryqueue.engine import validation as v
@@ -193,7 +194,7 @@ def _scalar(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] =
     return None if row is None else row[0]
 
 
-def _answered_xid(*cursors: psycopg.Cursor[Any] | None) -> int | None:
+def _answered_xid(*cursors: Rows | None) -> int | None:
     """The transaction id one of these writes returned (`RETURNING txid_current()`), if
     its answer is in already (a pipelined write's comes with the next read, or with the
     pipeline's end): asking for it would cost a round trip."""
@@ -234,7 +235,7 @@ class _Known(CountChanges):
         known.active = {prefix: list(rows) for prefix, rows in self.active.items()}
         return known
 
-    def flush(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any] | None:
+    def flush(self, conn: Executor) -> Rows | None:
         """Write the counts' changes: before COMMIT, and before a read of the table.
         Returns the last upsert, which returns the transaction's id (`_answered_xid`)."""
         cursor = None
@@ -297,11 +298,9 @@ class _Head:
 
     __slots__ = ("cursor", "full", "limit", "prefix", "process_id", "rows", "valid")
 
-    def __init__(
-        self, prefix: str, process_id: str | None, limit: int, cursor: psycopg.Cursor[Any]
-    ) -> None:
+    def __init__(self, prefix: str, process_id: str | None, limit: int, cursor: Rows) -> None:
         self.prefix, self.process_id, self.limit = prefix, process_id, limit
-        self.cursor: psycopg.Cursor[Any] | None = cursor
+        self.cursor: Rows | None = cursor
         self.rows: list[Item] = []
         self.full = False
         self.valid = True
@@ -365,6 +364,7 @@ class _Batch:
         "head",
         "kept",
         "known",
+        "lean",
         "locked",
         "pipelined",
         "prefix",
@@ -386,15 +386,17 @@ class _Batch:
         self.wrote = False
         self.kept = False
         self.xid: int | None = None
-        self.xid_cursors: list[psycopg.Cursor[Any] | None] = []
+        self.xid_cursors: list[Rows | None] = []
         self.failure: StoreError | None = None
         self.savepoint = False  # a command's savepoint is open
         # Items its commands will ask for by id (`PostgresQueueStore.expect`): read with
         # the batch's first statements, after its prefix's lock (`foreseen`, by id).
         self.expected: list[int] = []
-        self.foreseen: dict[int, psycopg.Cursor[Any]] = {}
+        self.foreseen: dict[int, Rows] = {}
         # The pool's retrieval it will likely make (`PostgresQueueStore.expect_retrieval`):
         # (prefix, process id, rows), its head read ahead too (`head`).
+        # How its statements are sent while pipelined (lean.py); None: psycopg's execute.
+        self.lean: Lean | None = None
         self.retrieval: tuple[str, str | None, int] | None = None
         self.head: _Head | None = None
 
@@ -414,10 +416,13 @@ class PostgresTransaction:
         origin: str = "",
         *,
         pipelined: bool = False,
-        foreseen: dict[int, psycopg.Cursor[Any]] | None = None,
+        foreseen: dict[int, Rows] | None = None,
         head: _Head | None = None,
+        executor: Executor | None = None,
     ) -> None:
-        self._c = conn
+        self._conn = conn
+        # Where its statements go: the connection, or a pipelined batch's Lean.
+        self._c: Executor = executor if executor is not None else conn
         self._pipelined = pipelined
         self._channel = channel
         self._origin = origin
@@ -428,12 +433,12 @@ class PostgresTransaction:
         # The transaction's id, as a write returned it (a COMMIT whose answer is lost is
         # looked up by it); or the writes that return it, answered or not yet.
         self.xid: int | None = None
-        self.xid_cursors: list[psycopg.Cursor[Any]] = []
+        self.xid_cursors: list[Rows] = []
         # Locks taken in a pipeline whose answer (what `lock_prefix` read) is not read
         # yet: it comes with the next statement whose answer is (`_settle`).
-        self._unsettled: list[tuple[str, psycopg.Cursor[Any]]] = []
+        self._unsettled: list[tuple[str, Rows]] = []
         # Reads sent ahead of the command that reads them (`expect_add`), by what they ask.
-        self._ahead: dict[tuple[Any, ...], psycopg.Cursor[Any]] = {}
+        self._ahead: dict[tuple[Any, ...], Rows] = {}
         # Items whose NOTIFY went with their result's INSERT (`insert_result`).
         self._notified: set[int] = set()
         # The batch's reads of items by id, sent ahead (`_Batch.foreseen`): shared by its
@@ -443,7 +448,7 @@ class PostgresTransaction:
 
     def _write_item(
         self, item: Item, query: str, params: tuple[Any, ...], *, pending: bool = True
-    ) -> psycopg.Cursor[Any]:
+    ) -> Rows:
         """A write to `item`'s row: what the batch read of it ahead is stale from now on.
         `pending`: it stays pending if it was (else the head's `gone` follows)."""
         self._foreseen.pop(item.id, None)
@@ -454,7 +459,7 @@ class PostgresTransaction:
                 self._head.gone(item)
         return self._write(query, params)
 
-    def _write(self, query: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
+    def _write(self, query: str, params: tuple[Any, ...] = ()) -> Rows:
         """A statement that changes data: the transaction then has an id to look up
         should its COMMIT's answer be lost (see `PostgresQueueStore._atomic`)."""
         self.wrote = True
@@ -580,7 +585,7 @@ class PostgresTransaction:
         # prefixes, so not covered by the prefix lock): it leaves the command usable. Not
         # in a pipelined batch: a conflict there runs the batch again, guarded (_Redo).
         savepoint = (
-            self._c.transaction()
+            self._conn.transaction()
             if item.external_id is not None and not self._pipelined
             else _NO_SAVEPOINT
         )
@@ -902,6 +907,8 @@ class PostgresQueueStore(QueueStore):
         self._refreshed_at = float("-inf")
         self._closed = False
         self._watchdog = Watchdog(self.network_timeout)
+        # The statements each connection has prepared for pipelined batches (lean.py).
+        self._statements = Statements()
         conn = self._connect()
         try:
             migrate(conn, schema)
@@ -999,7 +1006,7 @@ class PostgresQueueStore(QueueStore):
                     yield  # each command is watched on its own (`_command_in`)
                     if batch.failure is not None:
                         raise batch.failure
-                    batch.xid_cursors.append(batch.known.flush(conn))
+                    batch.xid_cursors.append(batch.known.flush(batch.lean or conn))
                     if batch.pipelined:
                         self._commit_in_pipeline(batch, ending)
                 if conn.info.transaction_status not in (_IDLE, _INTRANS):
@@ -1050,6 +1057,7 @@ class PostgresQueueStore(QueueStore):
         with self._watchdog.watching(conn):
             pipeline.__enter__()
             _flush_when_read(conn)
+            batch.lean = self._statements.lean(conn)
             try:
                 conn.execute("BEGIN")
             except BaseException as exc:
@@ -1140,15 +1148,16 @@ class PostgresQueueStore(QueueStore):
         """`expect`'s reads, after the batch's prefix lock (rows are locked after it, as
         every transaction does, or two could wait on each other)."""
         expected, batch.expected = batch.expected, []
+        execute = (batch.lean or batch.conn).execute
         for id in expected:
             if id not in batch.foreseen:
-                batch.foreseen[id] = batch.conn.execute(_FIND_BY_ID_IN_PREFIX, (id, batch.prefix))
+                batch.foreseen[id] = execute(_FIND_BY_ID_IN_PREFIX, (id, batch.prefix))
         retrieval, batch.retrieval = batch.retrieval, None
         if retrieval is not None and batch.head is None:
             prefix, process_id, limit = retrieval
             # Rows to spare: the batch's own activations and deletions take some away.
             window = limit + HEAD_SPARE
-            cursor = batch.conn.execute(
+            cursor = execute(
                 f"SELECT {ITEM_COLUMNS}, payload FROM items WHERE prefix = %s AND status = %s"
                 " AND (NOT exclusive OR process_id IS NOT DISTINCT FROM %s)"
                 " ORDER BY priority DESC, id LIMIT %s",
@@ -1178,6 +1187,7 @@ class PostgresQueueStore(QueueStore):
             pipelined=pipelined,
             foreseen=batch.foreseen,
             head=batch.head,
+            executor=batch.lean,
         )
         try:
             with self._watchdog.watching(conn):

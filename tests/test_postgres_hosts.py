@@ -769,16 +769,32 @@ async def test_a_waiter_whose_timeout_comes_while_its_ack_commits_gets_the_resul
 
 
 def _recording(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The statements this thread's connection of `store` runs from now on."""
+    """The statements this thread's connection of `store` runs from now on (those of a
+    pipelined batch go through its Lean, lean.py, and one that falls back to psycopg's
+    `execute` is recorded once)."""
+    from queryqueue.driver_postgres.lean import Lean
+
     conn = store._connection()
     statements: list[str] = []
     execute = conn.execute
+    lean_execute = Lean.execute
+    inside: list[bool] = []
 
     def recorded(query: Any, *args: Any, **kwargs: Any) -> Any:
-        statements.append(str(query).strip())
+        if not inside:
+            statements.append(str(query).strip())
         return execute(query, *args, **kwargs)
 
+    def lean_recorded(self: Lean, query: Any, *args: Any, **kwargs: Any) -> Any:
+        statements.append(str(query).strip())
+        inside.append(True)
+        try:
+            return lean_execute(self, query, *args, **kwargs)
+        finally:
+            inside.pop()
+
     monkeypatch.setattr(conn, "execute", recorded)
+    monkeypatch.setattr(Lean, "execute", lean_recorded)
     return statements
 
 
@@ -849,6 +865,7 @@ def test_an_adds_reads_go_to_the_database_together(monkeypatch: pytest.MonkeyPat
     are those of reads made one by one."""
     import psycopg
 
+    from queryqueue.driver_postgres.lean import Answer
     from tests.postgres_util import postgres_store
 
     store = postgres_store()
@@ -862,6 +879,13 @@ def test_an_adds_reads_go_to_the_database_together(monkeypatch: pytest.MonkeyPat
             return fetchone(self)
 
         monkeypatch.setattr(psycopg.Cursor, "fetchone", answered)
+        answer_fetchone = Answer.fetchone
+
+        def lean_answered(self: Answer) -> Any:
+            events.append("<answer>")
+            return answer_fetchone(self)
+
+        monkeypatch.setattr(Answer, "fetchone", lean_answered)
         answers = store.batched(
             lambda: [
                 store.add("p:b", "{}", external_id="e", if_no_result=True),
@@ -1144,5 +1168,93 @@ def test_a_conflict_in_a_pipelined_batch_is_its_commands_error_alone(
         assert [row.id for row in store.pending("p")] == ["a", "c"]
         assert store.add("p:d", "{}").pending == 3
         assert not store._connection().autocommit
+    finally:
+        store.close()
+
+
+def test_a_pipelined_batchs_statements_read_as_psycopgs_cursors_would() -> None:
+    """A pipelined batch sends its statements through its Lean (lean.py): each prepared
+    once per connection, its parameters as text, its answer read as a cursor's (rows one
+    by one, the rest, the row count); a parameter of another type (a list) runs through
+    psycopg's own `execute`; `%(name)s` used twice is one parameter."""
+    from queryqueue.driver_postgres.lean import Answer, numbered
+    from tests.postgres_util import postgres_store
+
+    assert numbered("a = %(x)s AND b = %(y)s OR c = %(x)s") == (
+        b"a = $1 AND b = $2 OR c = $1",
+        ("x", "y"),
+    )
+    assert numbered("VALUES (%s, %s)") == (b"VALUES ($1, $2)", 2)
+    with pytest.raises(ValueError, match="mixes"):
+        numbered("%s and %(x)s")
+    store = postgres_store()
+    try:
+
+        def work() -> list[Any]:
+            lean = store._local.batch.lean
+            assert lean is not None
+            rows = lean.execute(
+                "SELECT g, %s::text, %s::boolean, %s::bigint FROM generate_series(1, 3) g",
+                (None, True, 2**40),
+            )
+            named = lean.execute("SELECT %(a)s::int + %(a)s::int, %(b)s::text", {"a": 2, "b": "é"})
+            listed = lean.execute("SELECT %s::text[]", (["x", "y,z"],))
+            assert isinstance(rows, Answer) and not isinstance(listed, Answer)
+            return [
+                rows.fetchone(),
+                rows.fetchone(),
+                rows.fetchall(),
+                rows.fetchone(),
+                rows.rowcount,
+                named.fetchone(),
+                listed.fetchone(),
+            ]
+
+        assert store.batched(work, lambda _: None) == [
+            (1, None, True, 2**40),
+            (2, None, True, 2**40),
+            [(3, None, True, 2**40)],
+            None,
+            3,
+            (4, "é"),
+            (["x", "y,z"],),
+        ]
+    finally:
+        store.close()
+
+
+def test_a_statement_prepared_in_a_pipeline_that_failed_is_prepared_again() -> None:
+    """A statement is the connection's, under its name, once the server answered its
+    PREPARE: one whose PREPARE the pipeline skipped (an earlier statement failed) is
+    prepared again by the next batch that runs it, and every name the store counts on
+    is one the server holds."""
+    from queryqueue import StoreError
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        sent: list[Any] = []
+
+        def failing() -> None:
+            lean = store._local.batch.lean
+            sent.append(lean.execute("SELECT %s::int", (1,)))
+            sent.append(lean.execute("SELECT 1 / %s::int", (0,)))
+            sent.append(lean.execute("SELECT %s::text", ("skipped",)))
+            sent[-1].fetchone()
+
+        with pytest.raises(StoreError, match="division by zero"):
+            store.batched(failing, lambda _: None)
+        conn = store._connection()
+        believed = store._statements._by_conn[conn].names
+        assert "SELECT %s::int" in believed and "SELECT %s::text" not in believed
+        held = {row[0] for row in conn.execute("SELECT name FROM pg_prepared_statements")}
+        conn.rollback()  # left idle, as a batch leaves it
+        assert {name.decode() for name in believed.values()} <= held
+
+        def again() -> Any:
+            return store._local.batch.lean.execute("SELECT %s::text", ("again",)).fetchone()
+
+        assert store.batched(again, lambda _: None) == ("again",)
+        assert "SELECT %s::text" in believed
     finally:
         store.close()
