@@ -1205,7 +1205,8 @@ class QueueServer:
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         answers: list[tuple[bool, Any]] = []
         self.store.expect((r.method, r.args) for r in batch if r.refused is None)
-        self._expect_retrieval(batch)
+        if self.store.blocking:  # a store on the loop reads for nothing ahead
+            self._expect_retrieval(batch)
         try:
             return self._attempt_into(batch, answers)
         except BaseException:
