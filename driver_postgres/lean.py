@@ -13,8 +13,8 @@ It rides on psycopg's pipeline, not beside it: each statement is queued as psyco
 its own (its command, then its answer in the result queue), so psycopg matches results,
 raises errors (the same exceptions, from the same results), flushes, syncs and ends the
 pipeline as it always does. Relies on the pipeline's internals, as `_flush_when_read`
-does; a parameter of another type than None, bool, int or str has the statement run by
-psycopg's `execute`.
+does; a parameter of another type than None, bool, int or str (or a str holding a NUL,
+which libpq would cut short silently) has the statement run by psycopg's `execute`.
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ def _text(value: Any) -> bytes | None:
         return None
     kind = type(value)
     if kind is str:
+        if "\x00" in value:  # libpq would cut a text parameter there: psycopg refuses it
+            raise _Unsupported
         return value.encode()  # type: ignore[no-any-return]
     if kind is bool:
         return b"t" if value else b"f"

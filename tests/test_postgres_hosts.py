@@ -1177,6 +1177,8 @@ def test_a_pipelined_batchs_statements_read_as_psycopgs_cursors_would() -> None:
     once per connection, its parameters as text, its answer read as a cursor's (rows one
     by one, the rest, the row count); a parameter of another type (a list) runs through
     psycopg's own `execute`; `%(name)s` used twice is one parameter."""
+    import psycopg
+
     from queryqueue.driver_postgres.lean import Answer, numbered
     from tests.postgres_util import postgres_store
 
@@ -1200,6 +1202,9 @@ def test_a_pipelined_batchs_statements_read_as_psycopgs_cursors_would() -> None:
             named = lean.execute("SELECT %(a)s::int + %(a)s::int, %(b)s::text", {"a": 2, "b": "é"})
             listed = lean.execute("SELECT %s::text[]", (["x", "y,z"],))
             assert isinstance(rows, Answer) and not isinstance(listed, Answer)
+            # A NUL would cut a text parameter short in libpq: psycopg refuses it, as ever.
+            with pytest.raises(psycopg.DataError, match="NUL"):
+                lean.execute("SELECT %s::text", ("a\x00b",))
             return [
                 rows.fetchone(),
                 rows.fetchone(),
