@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from queryqueue import ContinueWaitError, SocketQueueDriver, StoreError
+from queryqueue.engine.clock import ManualClock
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.batches import answers_or_errors
 from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_postgres
@@ -924,7 +925,8 @@ def test_a_batchs_acks_by_id_are_read_with_its_first_statements(
 
     from tests.postgres_util import postgres_store
 
-    store = postgres_store()
+    # Time stands still: the ACK's purge of expired results (once a second) stays done.
+    store = postgres_store(clock=ManualClock())
     try:
         store.ack(store.add("p:warm", "{}").id, None)  # the first ACK's purge, done
         a, b = store.add("p:a", "{}").id, store.add("p:b", "{}").id
@@ -970,7 +972,8 @@ def test_the_pools_retrieval_is_read_with_the_batchs_first_statements(
 
     from tests.postgres_util import postgres_store
 
-    store = postgres_store()
+    # Time stands still: the ACK's purge of expired results (once a second) stays done.
+    store = postgres_store(clock=ManualClock())
     try:
         store.ack(store.add("p:warm", "{}").id, None)  # the first ACK's purge, done
         a = store.add("p:a", "{}").id
