@@ -30,7 +30,7 @@ from psycopg import errors as e
 from psycopg.adapt import Transformer
 from psycopg.pq import ExecStatus
 
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%s")
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%s|%%")
 _OK = (ExecStatus.TUPLES_OK, ExecStatus.COMMAND_OK)
 
 
@@ -55,12 +55,15 @@ class Executor(Protocol):
 @functools.lru_cache(maxsize=256)
 def numbered(query: str) -> tuple[bytes, tuple[str, ...] | int]:
     """`query` with PostgreSQL's placeholders, and what fills them: the names of
-    `%(name)s` (a name used twice is one parameter) or the count of `%s`."""
+    `%(name)s` (a name used twice is one parameter) or the count of `%s`; `%%` is `%`,
+    as psycopg reads it."""
     names: list[str] = []
     count = 0
 
     def number(match: re.Match[str]) -> str:
         nonlocal count
+        if match.group(0) == "%%":  # psycopg's escaped percent sign
+            return "%"
         name = match.group(1)
         if name is None:
             count += 1

@@ -393,10 +393,10 @@ class _Batch:
         # the batch's first statements, after its prefix's lock (`foreseen`, by id).
         self.expected: list[int] = []
         self.foreseen: dict[int, Rows] = {}
-        # The pool's retrieval it will likely make (`PostgresQueueStore.expect_retrieval`):
-        # (prefix, process id, rows), its head read ahead too (`head`).
         # How its statements are sent while pipelined (lean.py); None: psycopg's execute.
         self.lean: Lean | None = None
+        # The pool's retrieval it will likely make (`PostgresQueueStore.expect_retrieval`):
+        # (prefix, process id, rows), its head read ahead too (`head`).
         self.retrieval: tuple[str, str | None, int] | None = None
         self.head: _Head | None = None
 

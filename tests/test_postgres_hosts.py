@@ -1190,6 +1190,7 @@ def test_a_pipelined_batchs_statements_read_as_psycopgs_cursors_would() -> None:
         ("x", "y"),
     )
     assert numbered("VALUES (%s, %s)") == (b"VALUES ($1, $2)", 2)
+    assert numbered("SELECT %s %% 7") == (b"SELECT $1 % 7", 1)
     with pytest.raises(ValueError, match="mixes"):
         numbered("%s and %(x)s")
     store = postgres_store()
