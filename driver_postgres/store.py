@@ -1022,8 +1022,21 @@ class PostgresQueueStore(QueueStore):
                 with contextlib.suppress(psycopg.Error):
                     conn.rollback()
             self._leave_clean(conn, batch)
+        deferred: list[Callable[[], object]] | None = getattr(self._local, "deferred", None)
+        if deferred is not None:  # done by whoever defers them (`deferring_effects`)
+            deferred.extend(effects)
+            return
         for effect in effects:  # decide, then act: only what has committed is told
             effect()
+
+    @contextmanager
+    def deferring_effects(self) -> Iterator[list[Callable[[], object]]]:
+        effects: list[Callable[[], object]] = []
+        self._local.deferred = effects
+        try:
+            yield effects
+        finally:
+            self._local.deferred = None
 
     @staticmethod
     def _leave_clean(conn: psycopg.Connection[Any], batch: _Batch) -> None:

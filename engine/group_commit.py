@@ -58,6 +58,15 @@ class GroupCommit:
         a store whose reads cost a round trip each may send some ahead, together. A hint:
         each command still runs and reads as it would without it."""
 
+    def deferring_effects(self) -> AbstractContextManager[list[Callable[[], object]]]:
+        """What committing batches on this thread would do next (wake waiters and slot
+        watchers), collected into the list given instead of done, for the caller to do
+        where it sits: a server runs a blocking store's batch on a lane thread, and
+        hands the effects to its loop with the batch's answers (one wake-up of the loop,
+        not one per waiter). A store that runs on the loop does them in place: the list
+        stays empty."""
+        return nullcontext([])
+
     def expect_retrieval(self, prefix: str, process_id: str | None, limit: int) -> None:
         """A hint as `expect`'s: the `batch` will likely end with `retrieve_next(prefix,
         ...)` for that process, at most `limit` rows."""

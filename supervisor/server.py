@@ -1096,15 +1096,21 @@ class QueueServer:
         try:
             while batch:
                 batch = _acks_last(batch)
+                effects: list[Callable[[], object]] = []
                 try:
-                    answers, for_pool = await self.store.run_off_loop(
-                        self._execute_here, batch, route, route=route
+                    answers, for_pool, effects = await self.store.run_off_loop(
+                        self._execute_deferring, batch, route, route=route
                     )
                 except RuntimeError as exc:  # its lanes are shut down: none of it ran
                     answers, for_pool = (
                         [(False, StoreError(f"the store is closed: {exc}"))] * len(batch),
                         None,
                     )
+                for effect in effects:  # the waiters it woke, here on the loop
+                    try:
+                        effect()
+                    except Exception:
+                        _log.exception("waking the waiters of a batch failed")
                 try:
                     self._settle(batch, answers, for_pool)
                 except Exception:  # a bug: the prefix's next commands must still run
@@ -1114,6 +1120,16 @@ class QueueServer:
             if route is not None:
                 self._lane_queued.pop(route, None)
             raise
+
+    def _execute_deferring(
+        self, batch: list[_Request], route: str | None
+    ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None, list[Callable[[], object]]]:
+        """`_execute_here` on a lane, its after-commit effects (the waiters its ACKs wake)
+        handed back to run on the loop with its answers: waking them from the lane cost
+        the loop a wake-up of its own for each (`call_soon_threadsafe`)."""
+        with self.store.deferring_effects() as effects:
+            answers, for_pool = self._execute_here(batch, route)
+        return answers, for_pool, effects
 
     def _next_for_lane(self, route: str | None) -> list[_Request]:
         """What arrived for `route` while its batch ran (at most `max_batch`); none left:

@@ -338,3 +338,42 @@ def test_a_lanes_batch_runs_the_acks_connections_last_each_connection_in_order()
     assert server_module._acks_last(no_ack) == no_ack
     only_acking = [request(worker, "ack", 1), request(other, "add", 2), request(other, "ack", 3)]
     assert server_module._acks_last(only_acking) == only_acking
+
+
+async def test_a_lanes_batch_wakes_its_waiters_on_the_loop_with_its_answers(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking store's batch runs on a lane thread; the waiters its ACK wakes (a long
+    poll of another connection) are woken on the server's loop, with the batch's answers
+    (`deferring_effects`), not from the lane, which cost the loop a wake-up for each;
+    the long poll gets the result."""
+    import threading
+
+    from queryqueue.engine.waiters import ResultWaiters
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    server = QueueServer(store, workdir / "s.sock")
+    await server.start()
+    caller, worker = SocketQueueDriver(server.socket_path), SocketQueueDriver(server.socket_path)
+    published: list[int] = []
+    publish = ResultWaiters.publish
+
+    def recorded(self: ResultWaiters, event: Any) -> int:
+        published.append(threading.get_ident())
+        return publish(self, event)
+
+    monkeypatch.setattr(ResultWaiters, "publish", recorded)
+    try:
+        added = await caller.add("p:a", "{}")
+        waiting = asyncio.ensure_future(caller.result_blocking(added.id, 30_000))
+        await wait_until(lambda: store.waiters.count() == 1)
+        assert (await worker.ack(added.id, '{"r": 1}')).success
+        answer = await asyncio.wait_for(waiting, 30)
+        assert answer is not None and answer.payload == '{"r": 1}'
+        assert published == [threading.get_ident()]  # the loop's thread, this one
+    finally:
+        await caller.close()
+        await worker.close()
+        await server.stop()
+        store.close()
