@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from queryqueue.engine.commands import served
+from queryqueue.engine.commands import Command, served
 from queryqueue.engine.connection import decode_def, decode_query
 from queryqueue.engine.errors import (
     AuthenticationError,
@@ -367,6 +367,13 @@ class _Request:
     started_ms: int | None = None  # the fast track: startQueryTime, recorded in its batch
     checked: bool = False  # by `_take_batch`, once
     pool_step: bool = False  # a worker's step of a pool job (`_note_acks`): not held
+
+
+def _moves_pool(command: Command | None, full: bool) -> bool:
+    """Whether a command, done, may give the pool something to retrieve: it frees a slot,
+    or adds work while the pool has one (an ADD alone changes nothing while the pool
+    holds its budget, `WorkerPool.full`)."""
+    return command is not None and (command.frees_slot or (command.adds and not full))
 
 
 def _acks_last(batch: list[_Request]) -> list[_Request]:
@@ -1256,16 +1263,20 @@ class QueueServer:
     def _expect_retrieval(self, batch: list[_Request]) -> None:
         """Tell the store of the pool's retrieval the batch will likely end with (a slot
         it may free, work it may add), so it can read for it ahead (`expect_retrieval`)."""
-        pool = self.pool
-        if pool is None or pool.queue is None or self._stopping or pool.stopping:
+        pool = self._retrieving_pool()
+        if pool is None or pool.queue is None:
             return
         full = pool.full
-        for request in batch:
-            command = COMMANDS.get(request.method)
-            if command is not None and (command.frees_slot or (command.adds and not full)):
-                queue = pool.queue
-                self.store.expect_retrieval(queue.prefix, queue.process_uid, queue.concurrency)
-                return
+        if any(_moves_pool(COMMANDS.get(request.method), full) for request in batch):
+            queue = pool.queue
+            self.store.expect_retrieval(queue.prefix, queue.process_uid, queue.concurrency)
+
+    def _retrieving_pool(self) -> WorkerPool | None:
+        """The pool a batch may retrieve for: one with a queue, neither stopping."""
+        pool = self.pool
+        if pool is None or pool.queue is None or self._stopping or pool.stopping:
+            return None
+        return pool
 
     def _gives_work(self, request: _Request, ok: bool, answer: Any) -> bool:
         """An ADD that inserted work for the pool while it has an idle slot ends its batch
@@ -1294,11 +1305,10 @@ class QueueServer:
     ) -> bool | None:
         """Whether the batch freed a slot or added work for the pool (None: neither), and
         if so whether anything may be pending for it to retrieve."""
-        if self.pool is None or self.pool.queue is None or self._stopping or self.pool.stopping:
+        pool = self._retrieving_pool()
+        if pool is None:
             return None
-        # An ADD alone changes nothing while the pool holds its budget (`WorkerPool.full`).
-        full = self.pool.full
-        prefix = self.pool.prefix
+        full, prefix = pool.full, pool.prefix
         may = False
         # The pool prefix's pending count as the batch's last command that reports it
         # answered: later ones can only lower it (only an ADD makes an item pending, and
@@ -1306,11 +1316,9 @@ class QueueServer:
         # fast track's own batch, an idle queue's).
         pending: int | None = None
         for request, (ok, answer) in zip(batch, answers, strict=True):
-            command = COMMANDS.get(request.method)
-            if not ok or command is None:
+            if not ok:
                 continue
-            if command.frees_slot or (command.adds and not full):
-                may = True
+            may = may or _moves_pool(COMMANDS.get(request.method), full)
             if request.method in _REPORT_PENDING and route_of(tuple(request.args)) == prefix:
                 pending = answer.pending if answer is not None else pending
         return (pending != 0) if may else None
