@@ -72,6 +72,9 @@ class _Job:
     priority: int = 0
     added_ms: float | None = None  # addedToQueueTime: epoch ms it was queued
     sent_ms: float | None = None  # epoch ms it went to a worker
+    # time.monotonic() it went to a worker: the loop's time is in whole ms on uvloop, too
+    # coarse for a turnaround of a fraction of one (linger.py).
+    sent_at: float | None = None
 
 
 @dataclass(eq=False)
@@ -413,6 +416,15 @@ class WorkerPool:
                     return held
         return None
 
+    def running(self) -> list[tuple[QueueId, float]]:
+        """The queries on workers now: queue id, and when each was sent
+        (`time.monotonic()`)."""
+        return [
+            (worker.job.queue_id, worker.job.sent_at)
+            for worker in self._workers
+            if worker.job is not None and worker.job.sent_at is not None
+        ]
+
     def alive(self, queue_id: QueueId) -> bool:
         """Whether this pool holds the item for a live worker, or to hand to one: its
         heartbeats come from here, so a stale one in the store means they were late (the
@@ -476,6 +488,7 @@ class WorkerPool:
             worker.job = job
             job.started_at = self._loop_time()
             job.sent_ms = time.time() * 1000
+            job.sent_at = time.monotonic()
             try:
                 worker.conn.send_bytes(job.blob)
             except (OSError, ValueError):

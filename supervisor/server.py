@@ -43,6 +43,7 @@ from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results, guard, loops, sqltext
 from queryqueue.supervisor.deadlines import Deadlines
 from queryqueue.supervisor.frames import FrameReader
+from queryqueue.supervisor.linger import Linger
 from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
@@ -376,6 +377,35 @@ def _moves_pool(command: Command | None, full: bool) -> bool:
     return command is not None and (command.frees_slot or (command.adds and not full))
 
 
+def _ends_or_waits(request: _Request) -> bool:
+    """A command by queue id that a worker's ACK comes after: the ACK itself, or one it
+    waits for the answer of before it ACKs (the cancel handler's extra). Not a
+    heartbeat: a worker beats on its own, and ACKs without waiting for the beat."""
+    return request.method != "heartbeat" and bool(request.args) and isinstance(request.args[0], int)
+
+
+class _Deadline:
+    """Resolves `waiter` at `until` (`time.monotonic()`). The loop's timers go by its own
+    clock, in whole ms on uvloop and read once a loop turn, so one may fire a good part of
+    a ms early: it is armed again for what is left."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, until: float, waiter: asyncio.Future[None]
+    ) -> None:
+        self._loop, self._until, self._waiter = loop, until, waiter
+        self._timer = loop.call_later(until - time.monotonic(), self._fire)
+
+    def _fire(self) -> None:
+        left = self._until - time.monotonic()
+        if left > 0:
+            self._timer = self._loop.call_later(left, self._fire)
+        elif not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
 def _acks_last(batch: list[_Request]) -> list[_Request]:
     """A lane's batch with the commands of connections that sent an ACK after all the
     others, each connection's in the order they came. ACKs by queue id have their items
@@ -506,6 +536,10 @@ class QueueServer:
         self._lanes_busy: set[asyncio.Task[None]] = set()
         # A prefix whose batch is on its lane: what arrived for it since (`_to_lane`).
         self._lane_queued: dict[str, list[_Request]] = {}
+        # The pool prefix's lane: how long its batches and its workers' ACKs take, and
+        # the ACKs its next batch waits for, if it does (linger.py).
+        self.linger = Linger()
+        self._lingering: dict[str, tuple[asyncio.Future[None], set[Any]]] = {}
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -1080,6 +1114,8 @@ class QueueServer:
             if route is None and held is not None and request.args:
                 job = held(request.args[0]) if isinstance(request.args[0], int) else None
                 route = job.path.rpartition(":")[0] if job is not None else None
+                if job is not None and request.method == "ack" and job.sent_at is not None:
+                    self.linger.acked(job.sent_at, time.monotonic())
             groups.setdefault(route, []).append(request)
         return groups
 
@@ -1092,6 +1128,14 @@ class QueueServer:
         group takes the least loaded lane, as one of them may wait on any prefix's lock."""
         if route is not None and route in self._lane_queued:
             self._lane_queued[route].extend(group)
+            lingering = self._lingering.get(route)
+            if lingering is not None:
+                waiter, awaited = lingering
+                # An ACK came, or the worker waits for another command's answer: no ACK
+                # comes before the batch answers it.
+                awaited.difference_update(r.args[0] for r in group if _ends_or_waits(r))
+                if not awaited and not waiter.done():
+                    waiter.set_result(None)
             return
         if route is not None:
             self._lane_queued[route] = []
@@ -1102,8 +1146,12 @@ class QueueServer:
     async def _execute_off_loop(self, batch: list[_Request], route: str | None) -> None:
         try:
             while batch:
+                pool = self._retrieving_pool()
+                if route is not None and pool is not None and route == pool.prefix:
+                    batch = await self._linger_for_acks(route, batch, pool)
                 batch = _acks_last(batch)
                 effects: list[Callable[[], object]] = []
+                began = time.monotonic()
                 try:
                     answers, for_pool, effects = await self.store.run_off_loop(
                         self._execute_deferring, batch, route, route=route
@@ -1122,6 +1170,8 @@ class QueueServer:
                     self._settle(batch, answers, for_pool)
                 except Exception:  # a bug: the prefix's next commands must still run
                     _log.exception("answering a batch of %d commands failed", len(batch))
+                if pool is not None and route == pool.prefix:
+                    self.linger.ran(time.monotonic() - began)
                 batch = self._next_for_lane(route)
         except asyncio.CancelledError:
             if route is not None:
@@ -1137,6 +1187,31 @@ class QueueServer:
         with self.store.deferring_effects() as effects:
             answers, for_pool = self._execute_here(batch, route)
         return answers, for_pool, effects
+
+    async def _linger_for_acks(
+        self, route: str, batch: list[_Request], pool: WorkerPool
+    ) -> list[_Request]:
+        """The pool prefix's next batch, once the ACKs of the queries its workers were
+        just handed have arrived (or are overdue): one batch for them all (linger.py)."""
+        loop = self._loop()
+        # Workers with a command here wait for its answer: their ACKs are not coming.
+        coming = {r.args[0] for r in batch if _ends_or_waits(r)}
+        coming.update(r.args[0] for r in self._lane_queued.get(route, ()) if _ends_or_waits(r))
+        now = time.monotonic()
+        awaited, until = self.linger.awaited(pool.running(), coming, now)
+        if not awaited:
+            return batch
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._lingering[route] = (waiter, awaited)
+        timer = _Deadline(loop, until, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            del self._lingering[route]
+            # Back in front of what arrived meanwhile, taken again as one batch.
+            self._lane_queued[route] = batch + self._lane_queued.get(route, [])
+        return self._next_for_lane(route)
 
     def _next_for_lane(self, route: str | None) -> list[_Request]:
         """What arrived for `route` while its batch ran (at most `max_batch`); none left:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -375,5 +376,75 @@ async def test_a_lanes_batch_wakes_its_waiters_on_the_loop_with_its_answers(
     finally:
         await caller.close()
         await worker.close()
+        await server.stop()
+        store.close()
+
+
+class _Told:
+    """A lane's linger that waits as the test says: for every query on a worker whose
+    ACK is not queued yet (`until` from now), or for `awaited` (ids) alone."""
+
+    def __init__(self) -> None:
+        self.until: float | None = None  # None: waits for nothing
+        self.awaited: set[Any] | None = None
+
+    def awaited_for(self, running: Any, coming: Any, now: float) -> tuple[set[Any], float]:
+        if self.until is None:
+            return set(), now
+        awaited = self.awaited or {q for q, _ in running if q not in coming}
+        return set(awaited), now + self.until
+
+
+async def test_a_postgres_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a lane, a batch the linger says to wait waits for the ACK of the query a worker
+    runs, and then runs with it as one batch (one transaction); an ACK that never comes
+    holds it no longer than the linger's deadline. Nothing of it is lost either way."""
+    from tests.postgres_util import postgres_store
+    from tests.trace import read_trace
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = postgres_store()
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
+    server = QueueServer(store, workdir / "s.sock", pool=pool)
+    told = _Told()
+    monkeypatch.setattr(server.linger, "awaited", told.awaited_for)
+    await server.start()
+    caller = SocketQueueDriver(server.socket_path)
+    try:
+        await pool.start()
+        prefix = pool.prefix
+        batches = _record_batches(server, monkeypatch)
+
+        def definition(key: str, seconds: float) -> str:
+            query = {"key": key, "seconds": seconds}
+            return orjson.dumps({"queryHandler": "sql", "query": query, "priority": 0}).decode()
+
+        first = await caller.add(f"{prefix}:first", definition("first", 0.5))
+        # Its worker's one command before the ACK (the cancel handler's extra) answered:
+        # the worker says nothing more until its ACK.
+        extra = server.stats.kinds
+        await wait_until(lambda: "merge_extra" in extra and extra["merge_extra"].count == 1)
+        told.until = 60.0  # waits for the first query's ACK, whenever it comes
+        second = await caller.add(f"{prefix}:second", definition("second", 0))
+        answered = time.monotonic()
+        ended = [float(t[3]) for t in read_trace(workdir) if t[:2] == ["end", "first"]]
+        assert ended and answered > ended[0]  # held until the worker had ended the first
+        (together,) = [b for b in batches if ("add", f"{prefix}:second") in b]
+        assert ("ack", first.id) in together  # one batch, one transaction
+        assert second.added
+
+        told.awaited, told.until = {10**9}, 0.3  # an ACK that never comes
+        began = time.monotonic()
+        third = await caller.add(f"{prefix}:third", definition("third", 0))
+        assert time.monotonic() - began >= 0.3
+        assert third.added
+        for key in ("second", "third"):  # both ran, answered once each
+            result = await caller.result_blocking(f"{prefix}:{key}", 30_000)
+            assert result is not None and f'"key":"{key}"' in str(result.payload)
+    finally:
+        await caller.close()
+        await pool.stop(grace=0)
         await server.stop()
         store.close()

@@ -1,0 +1,73 @@
+"""A lane's next batch waits a moment for the ACK a worker is about to send.
+
+On a blocking store (PostgreSQL) a prefix's batches run one after another on its lane, and
+a batch costs about the same with one ACK in it as with two: its round trips and its
+COMMIT are most of it. A batch that freed a slot hands the slot's next query to a worker
+as it commits; the worker's ACK then comes back within a fraction of a batch, while the
+lane has already started the next batch with what queued meanwhile. So with two workers
+the ACKs alternate: one a batch, and each waits behind a whole batch it is not in.
+
+PostgreSQL's own group commit has the answer (`commit_delay`, tried only when other
+transactions are active, `commit_siblings`): wait a little before flushing when another
+commit is likely to come. Here: when the next batch is ready and a worker was handed its
+query recently enough that its ACK is due within half a batch, the batch waits for that
+ACK (or until the ACK is overdue), then runs with it. Half a batch bounds what lingering
+costs the commands already queued; the ACK it waits for saves a batch it would otherwise
+wait behind. Workers whose queries take longer than that are never waited for.
+
+Decide here, act in the server: this module only reads times it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from queryqueue.engine.responses import QueueId
+
+# Weight of the newest sample in the moving averages: a few batches to follow a change.
+_NEW = 0.2
+
+
+@dataclass
+class Linger:
+    """What a prefix's lane learns of its batches and of its workers' turnarounds."""
+
+    # Seconds from a query's hand-off to its ACK's arrival at the server (moving average).
+    turnaround: float | None = None
+    # Seconds a lane's batch takes, the hop to the lane and back included.
+    batch: float | None = None
+
+    def acked(self, handed_at: float, now: float) -> None:
+        """A worker's ACK arrived for a query handed to it at `handed_at`."""
+        self.turnaround = _moved(self.turnaround, max(0.0, now - handed_at))
+
+    def ran(self, seconds: float) -> None:
+        self.batch = _moved(self.batch, seconds)
+
+    def awaited(
+        self,
+        running: Iterable[tuple[QueueId, float]],
+        coming: Collection[QueueId],
+        now: float,
+    ) -> tuple[set[QueueId], float]:
+        """The queries (of `running`: id, handed at) whose ACK the next batch waits for,
+        none of `coming` (ACKs already queued), and until when at most."""
+        if self.turnaround is None or self.batch is None:
+            return set(), now
+        limit = now + self.batch / 2
+        waits: set[QueueId] = set()
+        until = now
+        for queue_id, handed_at in running:
+            if queue_id in coming:
+                continue
+            due = handed_at + self.turnaround
+            overdue = handed_at + 2 * self.turnaround  # a slower query than the usual
+            if due <= limit and overdue > now:
+                waits.add(queue_id)
+                until = max(until, overdue)
+        return waits, min(until, limit)
+
+
+def _moved(average: float | None, sample: float) -> float:
+    return sample if average is None else average + _NEW * (sample - average)

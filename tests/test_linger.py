@@ -1,0 +1,64 @@
+"""The lane's linger (supervisor/linger.py): which ACKs a PostgreSQL prefix's next batch
+waits for, and until when, from the times it is given."""
+
+from __future__ import annotations
+
+import pytest
+
+from queryqueue.supervisor.linger import Linger
+
+
+def _learned(turnaround: float, batch: float) -> Linger:
+    linger = Linger()
+    linger.acked(handed_at=10.0, now=10.0 + turnaround)
+    linger.ran(batch)
+    return linger
+
+
+def test_it_waits_for_nothing_before_it_has_seen_an_ack_and_a_batch() -> None:
+    assert Linger().awaited([(1, 100.0)], set(), 100.0) == (set(), 100.0)
+    only_batches = Linger()
+    only_batches.ran(0.004)
+    assert only_batches.awaited([(1, 100.0)], set(), 100.0)[0] == set()
+
+
+def test_a_query_just_handed_off_is_waited_for_until_its_ack_is_overdue() -> None:
+    linger = _learned(turnaround=0.001, batch=0.004)
+    awaited, until = linger.awaited([(1, 100.0), (2, 99.9995)], set(), 100.0)
+    assert awaited == {1, 2}
+    # The later of the two overdue times: handed at 100.0, twice the usual turnaround.
+    assert until == pytest.approx(100.002)
+
+
+def test_acks_already_queued_are_not_waited_for() -> None:
+    linger = _learned(turnaround=0.001, batch=0.004)
+    assert linger.awaited([(1, 100.0), (2, 100.0)], {1, 2}, 100.0) == (set(), 100.0)
+    assert linger.awaited([(1, 100.0), (2, 100.0)], {2}, 100.0)[0] == {1}
+
+
+def test_a_query_running_longer_than_twice_the_usual_is_not_waited_for() -> None:
+    linger = _learned(turnaround=0.001, batch=0.004)
+    assert linger.awaited([(1, 99.9975)], set(), 100.0)[0] == set()
+
+
+def test_acks_not_due_within_half_a_batch_are_not_waited_for() -> None:
+    # Queries that take longer than half a batch: a batch would wait longer than it saves.
+    slow = _learned(turnaround=0.050, batch=0.004)
+    assert slow.awaited([(1, 100.0)], set(), 100.0)[0] == set()
+    # Due within half a batch, overdue after it: the wait ends at half a batch.
+    close = _learned(turnaround=0.0015, batch=0.004)
+    awaited, until = close.awaited([(1, 100.0)], set(), 100.0)
+    assert awaited == {1}
+    assert until == pytest.approx(100.002)
+
+
+def test_its_averages_follow_what_it_sees() -> None:
+    linger = _learned(turnaround=0.001, batch=0.004)
+    for _ in range(40):
+        linger.acked(handed_at=0.0, now=0.1)
+        linger.ran(0.002)
+    assert linger.turnaround == pytest.approx(0.1, rel=1e-3)
+    assert linger.batch == pytest.approx(0.002, rel=1e-3)
+    # A clock read before the hand-off's (another clock's rounding) counts as no wait.
+    linger.acked(handed_at=5.0, now=4.0)
+    assert linger.turnaround is not None and linger.turnaround < 0.1
