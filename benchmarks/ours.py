@@ -168,6 +168,10 @@ class Run:
     def commands(self) -> int:
         return int(self.stats_after["commands_total"] - self.stats_before["commands_total"])
 
+    @property
+    def batches(self) -> int:
+        return int(self.stats_after["batches"] - self.stats_before["batches"])
+
 
 def stats(socket_path: Path) -> dict[str, Any]:
     from queryqueue.supervisor.client import SocketQueueDriver
@@ -286,6 +290,7 @@ def _summed(many: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "pool": {"handed_off": sum(m["pool"]["handed_off"] for m in many)},
         "commands_total": sum(m["commands_total"] for m in many),
+        "batches": sum(m.get("batches", 0) for m in many),
     }
 
 
@@ -678,6 +683,8 @@ def _row(
         "commands_per_query": round(
             sum(r.commands for r in runs) / max(1.0, queries * len(runs)), 2
         ),
+        # Transactions a query, what group commit and the lane's linger save.
+        "batches_per_query": round(sum(r.batches for r in runs) / max(1.0, queries * len(runs)), 2),
         "settings": settings,
     }
     if latency or latency_of is not None:

@@ -211,7 +211,9 @@ def tables(report: dict[str, Any]) -> str:
                     f"db {r['db_mb']} MB, WAL {r['wal_mb']} MB; "
                 )
             if r.get("commands_per_query"):
-                extra += f"{r['commands_per_query']} supervisor commands per query; "
+                extra += f"{r['commands_per_query']} supervisor commands per query"
+                batches = r.get("batches_per_query")
+                extra += f" in {batches} batches; " if batches else "; "
             if r.get("cpu_ms_per_query"):
                 by_role = r["cpu_ms_per_query"]
                 extra += (

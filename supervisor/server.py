@@ -107,6 +107,7 @@ class Stats:
             "uptime_s": round(uptime, 3),
             "commands_total": total,
             "commands_per_s": round(total / uptime, 1) if uptime > 0 else 0.0,
+            "batches": self.batches,
             "mean_batch": round(self.batched_commands / self.batches, 2) if self.batches else 0.0,
             "throttled": self.throttled,
             "commands": {
