@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any
 import psutil
 
 from benchmarks import ours, peers, reference
+from benchmarks.measure import spread
 
 WORKLOADS = [
     "throughput",
@@ -56,6 +58,11 @@ class Sizes:
     soak: int
     postgres: int  # throughput queries on PostgreSQL (a network store: fewer)
 
+
+# The workloads that set systems side by side run in rounds, one repetition of every
+# system a round: on a machine whose speed drifts within the hour (2-3x here, see the
+# README), each system then meets every hour of the run, not the one its turn fell in.
+COMPARED = ("throughput", "idle_latency", "dedup_storm", "priority_burst")
 
 FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000, 5_000)
 QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000, 500)
@@ -92,11 +99,43 @@ def run(
     steps: list[str] | None = None,
     partial_path: Path | None = None,
 ) -> dict[str, Any]:
-    rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     ready: list[tuple[peers.Peer, Path]] = []
     if with_peers and any(w in only for w in ("throughput", "idle_latency", "priority_burst")):
         ready, skipped = peers.available()
+    done: list[dict[str, Any]] = []  # rows so far, kept if a long run is interrupted
+
+    def measured(rows: list[dict[str, Any]]) -> None:
+        done.extend(rows)
+        if partial_path is not None:
+            partial_path.write_text(json.dumps({"rows": done, "skipped": skipped}, indent=2) + "\n")
+
+    compared = [w for w in only if w in COMPARED]
+    rounds: list[list[dict[str, Any]]] = []
+    once = Sizes(**{**sizes.__dict__, "reps": 1})
+    for number in range(sizes.reps if compared else 0):
+        if sizes.reps > 1:
+            print(f"round {number + 1} of {sizes.reps}", flush=True)
+        rounds.append(_workloads(once, compared, ready, steps, measured))
+    rows = _merged(rounds)
+    rows += _workloads(sizes, [w for w in only if w not in COMPARED], ready, steps, measured)
+    return {
+        "benchmark": "queryqueue suite",
+        "machine": machine(),
+        "sizes": sizes.__dict__,
+        "rows": rows,
+        "skipped": skipped,
+    }
+
+
+def _workloads(
+    s: Sizes,
+    only: list[str],
+    ready: list[tuple[peers.Peer, Path]],
+    steps: list[str] | None,
+    measured: Callable[[list[dict[str, Any]]], None],
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
 
     def step(name: str, make: Callable[[], list[dict[str, Any]]]) -> None:
         if steps and not any(wanted in name for wanted in steps):
@@ -109,10 +148,8 @@ def run(
             made = [{"system": name, "failed": f"{type(exc).__name__}: {exc}"}]
         rows.extend(made)
         print(f" {time.monotonic() - started:.0f} s", flush=True)
-        if partial_path is not None:  # a long run interrupted keeps what it measured
-            partial_path.write_text(json.dumps({"rows": rows, "skipped": skipped}, indent=2) + "\n")
+        measured(made)
 
-    s = sizes
     if "throughput" in only:
         print("throughput", flush=True)
         step("queryqueue", lambda: ours.throughput(s.throughput, s.reps))
@@ -149,13 +186,47 @@ def run(
     if "soak" in only:
         print("soak", flush=True)
         step("queryqueue", lambda: ours.soak(s.soak))
-    return {
-        "benchmark": "queryqueue suite",
-        "machine": machine(),
-        "sizes": s.__dict__,
-        "rows": rows,
-        "skipped": skipped,
-    }
+    return rows
+
+
+def _merged(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows of each round's one repetition, one row a system and workload, as if
+    its repetitions had run one after another (in the first round's order)."""
+    groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for rows in rounds:
+        for row in rows:
+            groups.setdefault((row.get("workload"), row.get("system")), []).append(row)
+    return [_merged_row(group) for group in groups.values()]
+
+
+def _merged_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    failed = [r for r in rows if "failed" in r]
+    if failed or len(rows) == 1 or any("samples" not in r for r in rows):
+        return failed[0] if failed else rows[0]  # a skip, a lack, a failure: as it came
+    row = dict(rows[0])
+    row.update(spread([v for r in rows for v in r["samples"]]))
+    row["repetitions"] = sum(r["repetitions"] for r in rows)
+
+    def each(key: str) -> list[Any]:
+        return [r[key] for r in rows if key in r]
+
+    if "cpu_s_per_1000" in row:
+        row["cpu_s_per_1000"] = spread([v for c in each("cpu_s_per_1000") for v in c["samples"]])
+    if "peak_rss_mb" in row:
+        row["peak_rss_mb"] = max(each("peak_rss_mb"))
+    if "errors" in row:
+        row["errors"] = sum(each("errors"))
+    if "executions" in row:
+        row["executions"] = statistics.median(each("executions"))
+    for mean in ("commands_per_query", "batches_per_query"):
+        if mean in row:
+            row[mean] = round(statistics.fmean(each(mean)), 2)
+    for by_name in ("cpu_ms_per_query", "latency_ms"):
+        if by_name in row:
+            row[by_name] = {
+                k: round(statistics.median(v[k] for v in each(by_name)), 3) for k in row[by_name]
+            }
+    return row
 
 
 # -- output ------------------------------------------------------------------------------------
