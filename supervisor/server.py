@@ -1095,10 +1095,18 @@ class QueueServer:
         batch: list[_Request],
         answers: list[tuple[bool, Any]],
         for_pool: list[RetrievedQuery] | None,
+        effects: list[Callable[[], object]] | None = None,
     ) -> None:
-        """A committed batch: the pool hears of it, then its answers leave."""
+        """A committed batch: the pool hears of it (its workers' next queries leave
+        first: their ACKs are what the next batch waits for), then the waiters it woke
+        (`effects`, a lane's batch), then its answers."""
         self._note_acks(batch, answers)
         self._hand_to_pool(for_pool)
+        for effect in effects or ():  # here on the loop
+            try:
+                effect()
+            except Exception:
+                _log.exception("waking the waiters of a batch failed")
         # A batch that tried the pool's retrieval did its reconcile's work (found nothing
         # is an answer too): a poke would list ACTIVE and PENDING again for nothing.
         self._answer_batch(batch, answers, poke=for_pool is None)
@@ -1162,13 +1170,8 @@ class QueueServer:
                         [(False, StoreError(f"the store is closed: {exc}"))] * len(batch),
                         None,
                     )
-                for effect in effects:  # the waiters it woke, here on the loop
-                    try:
-                        effect()
-                    except Exception:
-                        _log.exception("waking the waiters of a batch failed")
                 try:
-                    self._settle(batch, answers, for_pool)
+                    self._settle(batch, answers, for_pool, effects)
                 except Exception:  # a bug: the prefix's next commands must still run
                     _log.exception("answering a batch of %d commands failed", len(batch))
                 if pool is not None and route == pool.prefix:
