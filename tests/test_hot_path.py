@@ -4,10 +4,11 @@ that ends where an idle pool gets work, no pool listing when nothing is pending.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -395,14 +396,13 @@ class _Told:
         return set(awaited), now + self.until
 
 
-async def test_a_postgres_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
+@contextlib.asynccontextmanager
+async def _told_lane(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On a lane, a batch the linger says to wait waits for the ACK of the query a worker
-    runs, and then runs with it as one batch (one transaction); an ACK that never comes
-    holds it no longer than the linger's deadline. Nothing of it is lost either way."""
+) -> AsyncIterator[tuple[QueueServer, _Told, SocketQueueDriver, list[list[Any]]]]:
+    """A server on a PostgreSQL store with a pool of two workers (tests.apps.pool_app),
+    whose lane lingers as the test says (`_Told`), its batches recorded."""
     from tests.postgres_util import postgres_store
-    from tests.trace import read_trace
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     store = postgres_store()
@@ -414,20 +414,40 @@ async def test_a_postgres_batch_waits_for_the_ack_it_was_told_of_and_runs_with_i
     caller = SocketQueueDriver(server.socket_path)
     try:
         await pool.start()
-        prefix = pool.prefix
-        batches = _record_batches(server, monkeypatch)
+        yield server, told, caller, _record_batches(server, monkeypatch)
+    finally:
+        await caller.close()
+        await pool.stop(grace=0)
+        await server.stop()
+        store.close()
 
-        def definition(key: str, seconds: float) -> str:
-            query = {"key": key, "seconds": seconds}
-            return orjson.dumps({"queryHandler": "sql", "query": query, "priority": 0}).decode()
 
-        first = await caller.add(f"{prefix}:first", definition("first", 0.5))
-        # Its worker's one command before the ACK (the cancel handler's extra) answered:
-        # the worker says nothing more until its ACK.
-        extra = server.stats.kinds
-        await wait_until(lambda: "merge_extra" in extra and extra["merge_extra"].count == 1)
+def _sql(key: str, seconds: float) -> str:
+    query = {"key": key, "seconds": seconds}
+    return orjson.dumps({"queryHandler": "sql", "query": query, "priority": 0}).decode()
+
+
+async def _started(server: QueueServer, extras: int) -> None:
+    """Until the cancel handler's extra of that many queries was answered: a worker
+    says nothing more about its query until its ACK."""
+    kinds = server.stats.kinds
+    await wait_until(lambda: "merge_extra" in kinds and kinds["merge_extra"].count == extras)
+
+
+async def test_a_postgres_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a lane, a batch the linger says to wait waits for the ACK of the query a worker
+    runs, and then runs with it as one batch (one transaction); an ACK that never comes
+    holds it no longer than the linger's deadline. Nothing of it is lost either way."""
+    from tests.trace import read_trace
+
+    async with _told_lane(workdir, monkeypatch) as (server, told, caller, batches):
+        prefix = server.pool.prefix if server.pool is not None else ""
+        first = await caller.add(f"{prefix}:first", _sql("first", 0.5))
+        await _started(server, 1)
         told.until = 60.0  # waits for the first query's ACK, whenever it comes
-        second = await caller.add(f"{prefix}:second", definition("second", 0))
+        second = await caller.add(f"{prefix}:second", _sql("second", 0))
         answered = time.monotonic()
         ended = [float(t[3]) for t in read_trace(workdir) if t[:2] == ["end", "first"]]
         assert ended and answered > ended[0]  # held until the worker had ended the first
@@ -437,14 +457,34 @@ async def test_a_postgres_batch_waits_for_the_ack_it_was_told_of_and_runs_with_i
 
         told.awaited, told.until = {10**9}, 0.3  # an ACK that never comes
         began = time.monotonic()
-        third = await caller.add(f"{prefix}:third", definition("third", 0))
+        third = await caller.add(f"{prefix}:third", _sql("third", 0))
         assert time.monotonic() - began >= 0.3
         assert third.added
         for key in ("second", "third"):  # both ran, answered once each
             result = await caller.result_blocking(f"{prefix}:{key}", 30_000)
             assert result is not None and f'"key":"{key}"' in str(result.payload)
-    finally:
-        await caller.close()
-        await pool.stop(grace=0)
-        await server.stop()
-        store.close()
+
+
+async def test_a_postgres_batch_stops_waiting_for_a_worker_that_waits_for_it(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command by queue id about the query a batch waits for (a worker's extra, here
+    a GET) queues behind that batch, and its worker may wait for the answer before it
+    ACKs: it ends the wait for that query. A heartbeat does not (the worker beats on its
+    own; the first test's batch waited through several)."""
+    from tests.trace import read_trace
+
+    async with _told_lane(workdir, monkeypatch) as (server, told, caller, batches):
+        prefix = server.pool.prefix if server.pool is not None else ""
+        long = await caller.add(f"{prefix}:long", _sql("long", 5))
+        await _started(server, 1)
+        told.awaited, told.until = {long.id}, 60.0
+        adding = asyncio.ensure_future(caller.add(f"{prefix}:next", _sql("next", 0)))
+        await wait_until(lambda: bool(server._lingering))
+        assert not adding.done()
+        got = await caller.get(long.id)
+        added = await asyncio.wait_for(adding, 30)
+        assert got is not None and added.added
+        assert not [t for t in read_trace(workdir) if t[:2] == ["end", "long"]]
+        (together,) = [b for b in batches if ("add", f"{prefix}:next") in b]
+        assert ("get", long.id) in together
