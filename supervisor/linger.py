@@ -11,9 +11,10 @@ PostgreSQL's own group commit has the answer (`commit_delay`, tried only when ot
 transactions are active, `commit_siblings`): wait a little before flushing when another
 commit is likely to come. Here: when the next batch is ready and a worker was handed its
 query recently enough that its ACK is due within half a batch, the batch waits for that
-ACK (or until the ACK is overdue), then runs with it. Half a batch bounds what lingering
-costs the commands already queued; the ACK it waits for saves a batch it would otherwise
-wait behind. Workers whose queries take longer than that are never waited for.
+ACK (or until the ACK is overdue), then runs with it. Half a batch (and never more than
+MAX_WAIT_S) bounds what lingering costs the commands already queued; the ACK it waits
+for saves a batch it would otherwise wait behind. Workers whose queries take longer than
+that are never waited for.
 
 Decide here, act in the server: this module only reads times it is given.
 """
@@ -27,6 +28,9 @@ from queryqueue.engine.responses import QueueId
 
 # Weight of the newest sample in the moving averages: a few batches to follow a change.
 _NEW = 0.2
+# Never longer than this, whatever the averages say: after a database outage a batch
+# took seconds, and half of that average would hold the next batches as long.
+MAX_WAIT_S = 0.05
 
 
 @dataclass
@@ -55,7 +59,7 @@ class Linger:
         none of `coming` (ACKs already queued), and until when at most."""
         if self.turnaround is None or self.batch is None:
             return set(), now
-        limit = now + self.batch / 2
+        limit = now + min(self.batch / 2, MAX_WAIT_S)
         waits: set[QueueId] = set()
         until = now
         for queue_id, handed_at in running:

@@ -634,6 +634,9 @@ class QueueServer:
         self._stopping = True
         for server in self._servers:
             server.close()
+        for waiter, _ in self._lingering.values():  # what lingers runs now
+            if not waiter.done():
+                waiter.set_result(None)
         for connection in list(self._connections):
             for task in list(connection.parked):
                 task.cancel()

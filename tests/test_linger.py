@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from queryqueue.supervisor.linger import Linger
+from queryqueue.supervisor.linger import MAX_WAIT_S, Linger
 
 
 def _learned(turnaround: float, batch: float) -> Linger:
@@ -62,3 +62,14 @@ def test_its_averages_follow_what_it_sees() -> None:
     # A clock read before the hand-off's (another clock's rounding) counts as no wait.
     linger.acked(handed_at=5.0, now=4.0)
     assert linger.turnaround is not None and linger.turnaround < 0.1
+
+
+def test_it_never_waits_longer_than_its_cap_whatever_the_averages() -> None:
+    # After an outage: batches took 30 s, the queries take 10 s.
+    linger = _learned(turnaround=10.0, batch=30.0)
+    awaited, until = linger.awaited([(1, 99.99)], set(), 100.0)
+    assert awaited == set()  # due in 10 s: not within the cap
+    linger = _learned(turnaround=0.04, batch=30.0)
+    awaited, until = linger.awaited([(1, 100.0)], set(), 100.0)
+    assert awaited == {1}
+    assert until == pytest.approx(100.0 + MAX_WAIT_S)
