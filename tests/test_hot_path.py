@@ -466,6 +466,20 @@ async def test_a_postgres_batch_waits_for_the_ack_it_was_told_of_and_runs_with_i
             assert result is not None and f'"key":"{key}"' in str(result.payload)
 
 
+async def _lingering_for_long(
+    server: QueueServer, told: _Told, caller: SocketQueueDriver
+) -> tuple[str, Any, asyncio.Future[Any]]:
+    """The pool's prefix, a 5 s query running there, and an ADD whose batch waits for its
+    ACK (told: a minute)."""
+    prefix = (server.pool.prefix if server.pool is not None else None) or ""
+    long = await caller.add(f"{prefix}:long", _sql("long", 5))
+    await _started(server, 1)
+    told.awaited, told.until = {long.id}, 60.0
+    adding = asyncio.ensure_future(caller.add(f"{prefix}:next", _sql("next", 0)))
+    await wait_until(lambda: bool(server._lingering))
+    return prefix, long, adding
+
+
 async def test_a_postgres_batch_stops_waiting_for_a_worker_that_waits_for_it(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -476,12 +490,7 @@ async def test_a_postgres_batch_stops_waiting_for_a_worker_that_waits_for_it(
     from tests.trace import read_trace
 
     async with _told_lane(workdir, monkeypatch) as (server, told, caller, batches):
-        prefix = server.pool.prefix if server.pool is not None else ""
-        long = await caller.add(f"{prefix}:long", _sql("long", 5))
-        await _started(server, 1)
-        told.awaited, told.until = {long.id}, 60.0
-        adding = asyncio.ensure_future(caller.add(f"{prefix}:next", _sql("next", 0)))
-        await wait_until(lambda: bool(server._lingering))
+        prefix, long, adding = await _lingering_for_long(server, told, caller)
         assert not adding.done()
         got = await caller.get(long.id)
         added = await asyncio.wait_for(adding, 30)
@@ -497,12 +506,7 @@ async def test_a_stopping_server_runs_a_lingering_batch_at_once(
     """Stopping does not wait out a linger (its deadline here a minute away): the batch
     runs, and its ADD is answered, before the server has stopped."""
     async with _told_lane(workdir, monkeypatch) as (server, told, caller, _):
-        prefix = server.pool.prefix if server.pool is not None else ""
-        long = await caller.add(f"{prefix}:long", _sql("long", 5))
-        await _started(server, 1)
-        told.awaited, told.until = {long.id}, 60.0
-        adding = asyncio.ensure_future(caller.add(f"{prefix}:next", _sql("next", 0)))
-        await wait_until(lambda: bool(server._lingering))
+        *_, adding = await _lingering_for_long(server, told, caller)
         await asyncio.wait_for(server.stop(), 30)
         added = await asyncio.wait_for(adding, 5)
         assert added.added
