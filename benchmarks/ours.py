@@ -290,7 +290,7 @@ def _summed(many: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "pool": {"handed_off": sum(m["pool"]["handed_off"] for m in many)},
         "commands_total": sum(m["commands_total"] for m in many),
-        "batches": sum(m.get("batches", 0) for m in many),
+        "batches": sum(m["batches"] for m in many),
     }
 
 

@@ -1159,7 +1159,9 @@ class QueueServer:
         try:
             while batch:
                 pool = self._retrieving_pool()
-                if route is not None and pool is not None and route == pool.prefix:
+                lingers = route is not None and pool is not None and route == pool.prefix
+                if lingers:
+                    assert route is not None and pool is not None
                     batch = await self._linger_for_acks(route, batch, pool)
                 batch = _acks_last(batch)
                 effects: list[Callable[[], object]] = []
@@ -1177,7 +1179,7 @@ class QueueServer:
                     self._settle(batch, answers, for_pool, effects)
                 except Exception:  # a bug: the prefix's next commands must still run
                     _log.exception("answering a batch of %d commands failed", len(batch))
-                if pool is not None and route == pool.prefix:
+                if lingers:
                     self.linger.ran(time.monotonic() - began)
                 batch = self._next_for_lane(route)
         except asyncio.CancelledError:
