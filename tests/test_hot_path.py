@@ -278,6 +278,45 @@ async def test_a_fast_tracked_query_lists_nothing_for_the_pool_in_its_own_batch(
     assert len(retrievals) == 1
 
 
+async def test_a_fast_tracked_hand_off_leaves_before_its_batchs_answers(
+    pooled: QueueServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ADD_AND_RETRIEVE's item goes to the pool with the batch's other hand-offs, before
+    any of the batch's answers is written: behind an ADD that came first in its batch it
+    would wait for that answer (the queued path's retrieval never did)."""
+    assert pooled.pool is not None
+    prefix, order = pooled.pool.prefix, []
+    submit, queue_frame = pooled.pool.submit, server_module._Connection._queue
+
+    def submitting(prefix: str, retrieved: Any) -> None:
+        order.append(("hand-off", retrieved.queue_id))
+        submit(prefix, retrieved)
+
+    def queueing(connection: Any, frame: bytes, **options: Any) -> None:
+        order.append(("answer", orjson.loads(frame[protocol.HEADER.size :]).get("id")))
+        queue_frame(connection, frame, **options)
+
+    monkeypatch.setattr(pooled.pool, "submit", submitting)
+    monkeypatch.setattr(server_module._Connection, "_queue", queueing)
+    batches = _record_batches(pooled, monkeypatch)
+    definition = orjson.dumps({"queryHandler": "sql", "query": {"key": "u", "seconds": 0}})
+    caller = SocketQueueDriver(pooled.socket_path)
+    try:
+        await caller.call("ping")
+        del order[:]
+        # Sent in one loop turn: one write, read together, one batch.
+        _, urgent = await asyncio.gather(
+            caller.add("elsewhere:first", "{}"),
+            caller.add_and_retrieve(f"{prefix}:urgent", definition.decode(), 2),
+        )
+    finally:
+        await caller.close()
+    assert urgent.dispatched
+    assert [c for c, _ in batches[0]] == ["add", "add_and_retrieve"]
+    assert order[0] == ("hand-off", urgent.id)
+    assert [kind for kind, _ in order[1:3]] == ["answer", "answer"]
+
+
 async def test_a_batch_run_again_with_savepoints_leaves_no_long_poll_of_its_first_run(
     workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
