@@ -1011,12 +1011,7 @@ class QueueServer:
 
     def _fast_tracked(self, request: _Request, answer: Any) -> bool:
         """... and it retrieved the item it added."""
-        return (
-            self._may_fast_track(request)
-            and answer.payload is not None
-            and answer.extra is None
-            and not answer.dispatched
-        )
+        return self._may_fast_track(request) and answer.payload is not None and answer.extra is None
 
     def _dispatch_retrieved(
         self, path: str, answer: AddAndRetrieveResponse, started_ms: int | None
@@ -1124,10 +1119,10 @@ class QueueServer:
         self, batch: list[_Request], answers: list[tuple[bool, Any]]
     ) -> None:
         """The items the batch's ADD_AND_RETRIEVEs retrieved go to the pool with its other
-        hand-offs, before any answer is written (`_answer` would send them after the
+        hand-offs, before any answer is written (not as each is answered, after the
         batch's earlier answers): the fast track leaves no later than the queued path."""
         for i, (request, (ok, answer)) in enumerate(zip(batch, answers, strict=True)):
-            if ok and request.dispatch and self._fast_tracked(request, answer):
+            if ok and self._fast_tracked(request, answer):
                 answers[i] = (
                     True,
                     self._dispatch_retrieved(request.args[0], answer, request.started_ms),
@@ -1272,6 +1267,7 @@ class QueueServer:
         batch = self._take_batch()
         if batch:
             batch, answers, _ = self._execute_carrying(batch)
+            self._dispatch_fast_tracked(batch, answers)
             self._answer_batch(batch, answers)
 
     def _execute_carrying(
@@ -1553,8 +1549,6 @@ class QueueServer:
                 self.pool.poke(freed=command.frees_slot)
             if request.method == "cancel" and answer is not None and request.args:
                 self.pool.removed(request.args[0])  # its worker hears of it now
-        if ok and self._fast_tracked(request, answer):
-            answer = self._dispatch_retrieved(request.args[0], answer, request.started_ms)
         if ok and request.method == "ack" and len(request.args) == 2:
             self.segments.acked(request.args[1], bool(answer.success))
         elif ok and answer is not None and request.method in ("result", "result_blocking"):
