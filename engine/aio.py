@@ -17,6 +17,8 @@ async def wait_within(future: asyncio.Future[T], seconds: float | None) -> T:
     the future completing is never swallowed: a starved event loop that wakes to both at
     once made a cancelled heartbeat loop run forever.
     """
+    if future.done():  # a sync handler's outcome waited for on the spot (threads.py)
+        return future.result()
     done, _ = await asyncio.wait({future}, timeout=seconds)
     if not done:
         raise TimeoutError

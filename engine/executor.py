@@ -62,6 +62,10 @@ class Executor:
     """Runs the queries a `QueryQueue` hands to this process, to their ACK."""
 
     ack_retry_timeout = 30.0  # seconds an ACK is retried through an outage
+    # Seconds this loop's thread waits on the spot for a sync handler's outcome before
+    # leaving it to come through the loop (`HandlerThreads.run`): 0 but in a process
+    # whose loop has nothing else to do while its one query runs (a pool's worker).
+    sync_handler_wait = 0.0
 
     def __init__(self, queue: QueryQueue) -> None:
         self.queue = queue
@@ -219,7 +223,8 @@ class Executor:
         else:
             # A sync handler runs in a thread so this loop keeps heartbeating.
             execution.handler_task = self._threads.run(
-                functools.partial(self._in_thread, handler, query.get("query"), set_cancel_handler)
+                functools.partial(self._in_thread, handler, query.get("query"), set_cancel_handler),
+                within=self.sync_handler_wait,
             )
         try:
             value = await wait_within(execution.handler_task, self.queue.execution_timeout)

@@ -9,6 +9,12 @@ is a thread for every handler running at once: a queue's concurrency is its own 
 and a cancelled handler that Python cannot stop does not take a thread from the next.
 Threads are daemons: a process leaving with a handler still running does not wait for
 it (its item is reclaimed as stalled, as after any crash).
+
+A caller whose loop has nothing else to do meanwhile (a pool's worker runs one query at a
+time) may wait for a quick call on the spot (`run(..., within=)`): the outcome comes back
+through a queue the loop's thread blocks on, not through the loop's wake-up, which cost
+a no-op handler's worker about twice as much (`benchmarks/README.md`). A call that takes
+longer is delivered as any other.
 """
 
 from __future__ import annotations
@@ -21,8 +27,50 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+_Outcome = tuple[Any, BaseException | None]
+
+
+class _Rendezvous:
+    """Where a call's outcome waits for a caller blocked on it, while that caller waits:
+    once it has stopped waiting, the outcome goes through the loop instead."""
+
+    __slots__ = ("_box", "_lock", "_waiting")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = True
+        self._box: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
+
+    def offer(self, outcome: _Outcome) -> bool:
+        """From the call's thread: True if the waiting caller takes the outcome."""
+        with self._lock:
+            if self._waiting:
+                self._box.put(outcome)
+            return self._waiting
+
+    def wait(self, seconds: float) -> _Outcome | None:
+        """From the caller's thread: the outcome, or None once `seconds` passed without it
+        (then it never comes here)."""
+        try:
+            return self._box.get(timeout=seconds)
+        except queue.Empty:
+            pass
+        with self._lock:
+            self._waiting = False
+        try:  # offered between the timeout and the flag
+            return self._box.get_nowait()
+        except queue.Empty:
+            return None
+
+
 _Work = (
-    tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", contextvars.Context, Callable[[], Any]]
+    tuple[
+        asyncio.AbstractEventLoop,
+        "asyncio.Future[Any]",
+        contextvars.Context,
+        Callable[[], Any],
+        _Rendezvous | None,
+    ]
     | None  # an idle thread's cue to end (close)
 )
 
@@ -44,18 +92,27 @@ class HandlerThreads:
         for _ in range(idle):
             self._work.put(None)
 
-    def run(self, call: Callable[[], Any]) -> asyncio.Future[Any]:
+    def run(self, call: Callable[[], Any], *, within: float = 0.0) -> asyncio.Future[Any]:
         """`call()` in a thread, in a copy of this context; its outcome as a future of the
-        running loop. Cancelling the future does not stop the call: its outcome is dropped."""
+        running loop. Cancelling the future does not stop the call: its outcome is dropped.
+
+        With `within`, this thread (the loop's) blocks up to that many seconds for the
+        outcome, and the future is done on return if the call was: only for a caller whose
+        loop has nothing else to do meanwhile."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
+        rendezvous = _Rendezvous() if within > 0 else None
         with self._lock:
             start = self._idle == 0
             if not start:
                 self._idle -= 1  # that thread is this call's: nobody else counts on it
-        self._work.put((loop, future, contextvars.copy_context(), call))
+        self._work.put((loop, future, contextvars.copy_context(), call, rendezvous))
         if start:
             threading.Thread(target=self._serve, name=self._name, daemon=True).start()
+        if rendezvous is not None:
+            outcome = rendezvous.wait(within)
+            if outcome is not None:
+                settle(future, *outcome)
         return future
 
     def _serve(self) -> None:
@@ -63,14 +120,15 @@ class HandlerThreads:
             work = self._work.get()
             if work is None:
                 return
-            loop, future, context, call = work
+            loop, future, context, call, rendezvous = work
             try:
-                outcome: tuple[Any, BaseException | None] = (context.run(call), None)
+                outcome: _Outcome = (context.run(call), None)
             except BaseException as exc:  # delivered to the awaiting task, as to_thread does
                 outcome = (None, exc)
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(settle, future, *outcome)
-            del work, loop, future, context, call, outcome  # nothing kept alive while idle
+            if rendezvous is None or not rendezvous.offer(outcome):
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(settle, future, *outcome)
+            del work, loop, future, context, call, outcome, rendezvous  # nothing kept alive
             with self._lock:
                 if self._closed:
                     return

@@ -48,6 +48,12 @@ _log = logging.getLogger("queryqueue.pool")
 SPAWN_RETRY_FIRST = 0.1
 SPAWN_RETRY_MAX = 5.0
 
+# How long a worker's loop waits on the spot for its sync handler's outcome (the worker
+# runs one query at a time: meanwhile its loop only heartbeats, reads cancels and records
+# what the handler sends, each then that much later). A handler done within it costs no
+# wake-up of the loop; a slower one's outcome comes through the loop as before.
+SYNC_HANDLER_WAIT = 0.002
+
 # Messages to a worker over its pipe, by their first byte; an empty one asks it to exit.
 _JOB = b"J"
 _CANCEL = b"C"
@@ -824,6 +830,7 @@ async def _worker_loop(
     app = load_app(app_ref)
     driver = SocketQueueDriver(socket_path, shm_threshold=shm_threshold)
     queue = app.pool_queue(driver)
+    queue.executor.sync_handler_wait = SYNC_HANDLER_WAIT
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue[bytes] = asyncio.Queue()
     unstarted_cancels: set[int] = set()

@@ -6,6 +6,7 @@ import asyncio
 import contextvars
 import os
 import threading
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,39 @@ async def test_closed_its_threads_end_and_a_later_call_still_runs() -> None:
     await wait_until(lambda: alive() == 0, what="the idle thread ended")
     assert await threads.run(lambda: 2) == 2  # on a thread of its own, which then ends
     await wait_until(lambda: alive() == 0, what="the late call's thread ended")
+
+
+async def test_a_quick_call_waited_for_on_the_spot_is_done_as_run_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool worker's sync handler: its outcome comes back without the loop's wake-up."""
+    threads = HandlerThreads()
+    loop = asyncio.get_running_loop()
+    woken: list[object] = []
+    real = loop.call_soon_threadsafe
+
+    def counted(callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
+        woken.append(callback)
+        return real(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    quick = threads.run(lambda: (REQUEST.get(), threading.get_ident()), within=10.0)
+    assert quick.done()
+    context, thread = quick.result()
+    assert context == "none" and thread != threading.get_ident()  # in a thread all the same
+
+    def fails() -> None:
+        raise KeyError("boom")
+
+    failed = threads.run(fails, within=10.0)
+    assert failed.done() and isinstance(failed.exception(), KeyError)
+    assert woken == []
+
+
+async def test_a_call_slower_than_the_wait_comes_through_the_loop() -> None:
+    threads = HandlerThreads()
+    release = threading.Event()
+    slow = threads.run(lambda: release.wait(20) and "slow", within=0.001)
+    assert not slow.done()  # the wait ended first: the loop delivers it
+    release.set()
+    assert await asyncio.wait_for(slow, 10) == "slow"

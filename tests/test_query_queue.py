@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from queryqueue import (
@@ -1144,3 +1145,41 @@ async def test_an_item_held_here_for_a_live_executor_is_not_reaped_until_let_go(
         assert [e["queueId"] for e in rec.named(ev.REMOVING_ORPHANED)] == [retrieved.queue_id]
     finally:
         await queue.close(grace=0)
+
+
+async def test_a_sync_handler_waited_for_on_the_spot_is_acked_without_waking_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool worker's setting (`sync_handler_wait`): the handler still runs in a thread,
+    its outcome is taken there and then, and the ACK follows in the same loop turn."""
+    store = MemoryQueueStore()
+    ran_on: list[int] = []
+
+    def handler(query: Any, set_cancel_handler: Any) -> dict[str, Any]:
+        ran_on.append(threading.get_ident())
+        return {"echo": query}
+
+    queue = QueryQueue("spot", query_handlers={"sql": handler}, driver=store, reconcile=False)
+    queue.executor.sync_handler_wait = 10.0
+    loop = asyncio.get_running_loop()
+    woken: list[object] = []
+    real = loop.call_soon_threadsafe
+
+    def counted(callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
+        woken.append(callback)
+        return real(callback, *args, **kwargs)
+
+    added = store.add("spot:k", '{"queryHandler": "sql", "query": "k"}')
+    assert store.retrieve(added.id, concurrency=1) is not None
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    try:
+        done = await queue.execute_query(
+            RetrievedQuery("k", added.id, added.id, 0, {"queryHandler": "sql", "query": "k"}, 1)
+        )
+    finally:
+        await queue.close(grace=0)
+    assert done and woken == []
+    assert ran_on and ran_on[0] != threading.get_ident()
+    stored = store.result(added.id)
+    assert stored is not None and stored.payload is not None
+    assert orjson.loads(stored.payload) == {"result": {"echo": "k"}}
