@@ -206,6 +206,21 @@ def _answered_xid(*cursors: Rows | None) -> int | None:
     return None
 
 
+def _answered_by_the_ack(key: QueueKey, event: AckEvent) -> ResultResponse | None:
+    """The answer a long poll woken by `event` gives without the database: an ACK with
+    NULL (no payload), or a result the ACK's own transaction took for a waiter by id
+    (a local ACK). None: the result is read, or consumed, in a transaction of its own.
+    Decided on the loop, so such a poll costs no hop to a lane and back."""
+    if event.result is None or (event.taken and isinstance(key, int)):
+        return ResultResponse(
+            payload=event.result,
+            type=ResultStatus.SUCCESS,
+            id=event.id,
+            external_id=event.external_id,
+        )
+    return None
+
+
 class _Redo(BaseException):
     """A command failed after writing in a batch run without savepoints: the batch is
     rolled back and run again, each command in a savepoint of its own (`batched`). A
@@ -1496,6 +1511,9 @@ class PostgresQueueStore(QueueStore):
             finally:
                 self.waiters.unsubscribe(waiter)
             if event is not None:
+                answered = _answered_by_the_ack(key, event)
+                if answered is not None:  # on the loop: nothing to read or write
+                    return answered
                 taken: ResultResponse | None = await self.run_off_loop(
                     self._again_if_disconnected, functools.partial(self._take, key, event)
                 )
@@ -1538,14 +1556,9 @@ class PostgresQueueStore(QueueStore):
             return blocking_lookup(tx, key, self.clock.now_ms())
 
     def _take(self, key: QueueKey, event: AckEvent) -> ResultResponse | None:
-        if event.result is None or (event.taken and isinstance(key, int)):
-            # ACK with NULL: answered, with no payload. Taken for us by a local ACK: as is.
-            return ResultResponse(
-                payload=event.result,
-                type=ResultStatus.SUCCESS,
-                id=event.id,
-                external_id=event.external_id,
-            )
+        answered = _answered_by_the_ack(key, event)
+        if answered is not None:
+            return answered
         with self._atomic() as tx:
             value: str | None = event.result
             if value == _FETCH:

@@ -524,6 +524,44 @@ async def test_parked_long_polls_rely_on_listen_while_it_is_healthy(
         store.close()
 
 
+async def test_a_long_poll_its_own_ack_answered_is_answered_on_the_loop(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter by id woken by an ACK of this store has its result in the event (the ACK's
+    transaction took it): answering it costs no hop to a lane and back."""
+    from queryqueue.driver_postgres.store import PostgresQueueStore
+
+    store = PostgresQueueStore(URL, schema=schema)
+    lookups = 0
+    lookup = store._lookup
+
+    def counted(key: Any) -> Any:
+        nonlocal lookups
+        lookups += 1
+        return lookup(key)
+
+    monkeypatch.setattr(store, "_lookup", counted)
+    try:
+        queue_id = store.add("p:k", "{}").id
+        waiter = asyncio.ensure_future(store.result_blocking(queue_id, 10_000))
+        await wait_until(lambda: lookups == 1 and store.waiters.count() == 1)
+        hops: list[Any] = []
+        run_off_loop = store.run_off_loop
+
+        def counted_hop(*args: Any, **kwargs: Any) -> Any:
+            hops.append(args)
+            return run_off_loop(*args, **kwargs)
+
+        monkeypatch.setattr(store, "run_off_loop", counted_hop)
+        assert store.ack(queue_id, '{"result": 1}').success
+        found = await asyncio.wait_for(waiter, 10)
+        assert found is not None and found.payload == '{"result": 1}' and found.id == queue_id
+        assert hops == []
+    finally:
+        monkeypatch.undo()
+        store.close()
+
+
 def test_after_a_reconnect_active_items_are_not_reaped_for_the_outage(schema: str) -> None:
     import psycopg
 

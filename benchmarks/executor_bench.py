@@ -1,0 +1,140 @@
+"""Micro-benchmark: the CPU one execution of a no-op query costs its executor, in one process.
+
+    python -m benchmarks.executor_bench            # full run, ~1 minute
+    python -m benchmarks.executor_bench --quick    # CI-sized
+
+`Executor.execute_query` from a retrieved item to its stored ACK, on the in-memory store
+and the loop a worker runs (uvloop where installed), for three handlers: a sync one whose
+outcome comes back through the loop's wake-up (any process but a pool's worker), the same
+waited for on the spot (a pool's worker: `SYNC_HANDLER_WAIT`), and an async one (no
+thread: the floor). CPU of the whole process (the handler's thread included) a query,
+median of the repetitions (min-max), the subjects alternating within each round. Prints
+a table and writes JSON; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from queryqueue.engine.memory_store import MemoryQueueStore
+from queryqueue.engine.queue import QueryQueue
+from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.supervisor import loops
+from queryqueue.supervisor.pool import SYNC_HANDLER_WAIT
+
+PAYLOAD = '{"queryHandler": "noop", "query": 1}'
+
+
+def _sync_noop(query: Any, set_cancel_handler: Any) -> int:
+    return 1
+
+
+async def _async_noop(query: Any, set_cancel_handler: Any) -> int:
+    return 1
+
+
+SUBJECTS: dict[str, tuple[Any, float]] = {
+    "sync, through the loop": (_sync_noop, 0.0),
+    "sync, on the spot (pool worker)": (_sync_noop, SYNC_HANDLER_WAIT),
+    "async (no thread)": (_async_noop, 0.0),
+}
+
+
+async def _one_round(handler: Any, wait: float, n: int) -> float:
+    """CPU microseconds a query over `n` executions on a fresh queue."""
+    store = MemoryQueueStore()
+    queue = QueryQueue(
+        "bench", query_handlers={"noop": handler}, driver=store, reconcile=False, concurrency=n
+    )
+    queue.executor.sync_handler_wait = wait
+    items = []
+    for i in range(n):
+        added = store.add(f"bench:k{i}", PAYLOAD)
+        store.retrieve(added.id, concurrency=n)
+        query = {"queryHandler": "noop", "query": 1}
+        items.append(RetrievedQuery(f"k{i}", added.id, added.id, 0, query, started_ms=1))
+    try:
+        began = time.process_time()
+        for retrieved in items:
+            await queue.execute_query(retrieved)
+        return (time.process_time() - began) / n * 1e6
+    finally:
+        await queue.close(grace=0)
+
+
+async def _rounds(n: int, repetitions: int) -> dict[str, list[float]]:
+    for handler, wait in SUBJECTS.values():  # warm-up: threads started, code paths hot
+        await _one_round(handler, wait, min(n, 200))
+    measured: dict[str, list[float]] = {name: [] for name in SUBJECTS}
+    for _ in range(repetitions):
+        for name, (handler, wait) in SUBJECTS.items():
+            measured[name].append(await _one_round(handler, wait, n))
+    return measured
+
+
+def run(n: int, repetitions: int) -> dict[str, Any]:
+    measured = loops.run(_rounds(n, repetitions))
+    rows = {
+        name: {
+            "median_us": statistics.median(figures),
+            "min_us": min(figures),
+            "max_us": max(figures),
+        }
+        for name, figures in measured.items()
+    }
+    return {
+        "benchmark": "executor_cpu_us_per_query",
+        "executions_per_round": n,
+        "repetitions": repetitions,
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "rows": rows,
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        f"executor, CPU us a no-op query, median of {report['repetitions']} x "
+        f"{report['executions_per_round']} executions (min-max)"
+    ]
+    for name, row in report["rows"].items():
+        lines.append(
+            f"{name:<34}{row['median_us']:>8.1f}  ({row['min_us']:.1f}-{row['max_us']:.1f})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    parser.add_argument("-n", type=int, default=None, help="executions per round")
+    parser.add_argument("--repetitions", type=int, default=None)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: benchmarks/results/executor.json (the committed figures) for a full "
+        "run, benchmarks/last-run/executor.json for --quick",
+    )
+    args = parser.parse_args(argv)
+    n = args.n or (300 if args.quick else 5_000)
+    repetitions = args.repetitions or (2 if args.quick else 5)
+    report = run(n, repetitions)
+    print(table(report))
+    # --quick never overwrites the committed full-run figures.
+    out = args.out or Path("benchmarks", "last-run" if args.quick else "results", "executor.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
