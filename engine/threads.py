@@ -13,8 +13,8 @@ it (its item is reclaimed as stalled, as after any crash).
 A caller whose loop has nothing else to do meanwhile (a pool's worker runs one query at a
 time) may wait for a quick call on the spot (`run(..., within=)`): the outcome comes back
 through a queue the loop's thread blocks on instead of through the loop's wake-up. A
-no-op sync handler's execution took 260 us of CPU that way and takes 180 now (an async
-handler's: 167; README, "Benchmarks", session 22). A slower call is delivered as before.
+no-op sync handler's execution took 286 us of CPU that way and takes 178 now (an async
+handler's: 173; `benchmarks.executor_bench`). A slower call is delivered as before.
 """
 
 from __future__ import annotations
