@@ -1556,9 +1556,8 @@ class PostgresQueueStore(QueueStore):
             return blocking_lookup(tx, key, self.clock.now_ms())
 
     def _take(self, key: QueueKey, event: AckEvent) -> ResultResponse | None:
-        answered = _answered_by_the_ack(key, event)
-        if answered is not None:
-            return answered
+        """The result `event` announced, read or consumed (`_answered_by_the_ack` was not
+        enough)."""
         with self._atomic() as tx:
             value: str | None = event.result
             if value == _FETCH:
