@@ -14,14 +14,12 @@ a table and writes JSON; asserts nothing about speed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
+from benchmarks import micro
 from queryqueue.engine.memory_store import MemoryQueueStore
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -115,29 +113,14 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    parser = micro.parser(__doc__, "executor")
     parser.add_argument("-n", type=int, default=None, help="executions per round")
-    parser.add_argument("--repetitions", type=int, default=None)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="default: benchmarks/results/executor.json (the committed figures) for a full "
-        "run, benchmarks/last-run/executor.json for --quick",
-    )
     args = parser.parse_args(argv)
     n = args.n or (300 if args.quick else 5_000)
     repetitions = args.repetitions or (2 if args.quick else 5)
     report = run(n, repetitions)
     print(table(report))
-    # --quick never overwrites the committed full-run figures.
-    out = args.out or Path("benchmarks", "last-run" if args.quick else "results", "executor.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"written to {out}")
+    print(f"written to {micro.write_report(report, 'executor', quick=args.quick, out=args.out)}")
     return 0
 
 

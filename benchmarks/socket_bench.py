@@ -12,9 +12,7 @@ median of the repetitions. Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import multiprocessing
 import os
 import platform
@@ -25,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from benchmarks import micro
 from queryqueue.supervisor.client import SocketQueueDriver
 from queryqueue.supervisor.launch import launch
 
@@ -151,26 +150,10 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repetitions", type=int, default=None)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="default: benchmarks/results/socket.json (the committed figures) for a full run, "
-        "benchmarks/last-run/socket.json for --quick",
-    )
-    args = parser.parse_args(argv)
+    args = micro.parser(__doc__, "socket").parse_args(argv)
     report = run(args.quick, args.repetitions or (1 if args.quick else 5))
     print(table(report))
-    # --quick never overwrites the committed full-run figures.
-    out = args.out or Path("benchmarks", "last-run" if args.quick else "results", "socket.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"written to {out}")
+    print(f"written to {micro.write_report(report, 'socket', quick=args.quick, out=args.out)}")
     return 0
 
 

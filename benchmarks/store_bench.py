@@ -11,7 +11,6 @@ uses a fresh database. Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import micro
 from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
 from queryqueue.engine.memory_store import MemoryQueueStore
 from queryqueue.engine.store import QueueStore
@@ -130,29 +130,14 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    parser = micro.parser(__doc__, "store")
     parser.add_argument("-n", type=int, default=None, help="calls per command per repetition")
-    parser.add_argument("--repetitions", type=int, default=None)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="default: benchmarks/results/store.json (the committed figures) for a full run, "
-        "benchmarks/last-run/store.json for --quick",
-    )
     args = parser.parse_args(argv)
     n = args.n or (300 if args.quick else 5_000)
     repetitions = args.repetitions or (2 if args.quick else 5)
     report = run(n, repetitions)
     print(table(report))
-    # --quick never overwrites the committed full-run figures.
-    out = args.out or Path("benchmarks", "last-run" if args.quick else "results", "store.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"written to {out}")
+    print(f"written to {micro.write_report(report, 'store', quick=args.quick, out=args.out)}")
     return 0
 
 

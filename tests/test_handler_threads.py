@@ -6,12 +6,11 @@ import asyncio
 import contextvars
 import os
 import threading
-from typing import Any
 
 import pytest
 
 from queryqueue.engine.threads import HandlerThreads
-from tests.waiting import wait_until
+from tests.waiting import record_wakeups, wait_until
 
 REQUEST = contextvars.ContextVar("REQUEST", default="none")
 
@@ -83,14 +82,7 @@ async def test_a_quick_call_waited_for_on_the_spot_is_done_as_run_returns(
     """A pool worker's sync handler: its outcome comes back without the loop's wake-up."""
     threads = HandlerThreads()
     loop = asyncio.get_running_loop()
-    woken: list[object] = []
-    real = loop.call_soon_threadsafe
-
-    def counted(callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
-        woken.append(callback)
-        return real(callback, *args, **kwargs)
-
-    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    woken = record_wakeups(loop, monkeypatch)
     quick = threads.run(lambda: (REQUEST.get(), threading.get_ident()), within=10.0)
     assert quick.done()
     context, thread = quick.result()

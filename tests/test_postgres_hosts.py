@@ -489,29 +489,34 @@ def _waiting_on_a_lock(admin: Any, schema: str) -> bool:
     return bool(row and row[0] > 0)
 
 
+def _record_lookups(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The keys a store's long polls read the table for (`_lookup`), from now on."""
+    looked: list[Any] = []
+    lookup = store._lookup
+
+    def recorded(key: Any) -> Any:
+        looked.append(key)
+        return lookup(key)
+
+    monkeypatch.setattr(store, "_lookup", recorded)
+    return looked
+
+
 async def test_parked_long_polls_rely_on_listen_while_it_is_healthy(
     schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from queryqueue.driver_postgres.store import PostgresQueueStore
 
     store = PostgresQueueStore(URL, schema=schema)
-    lookups = 0
-    lookup = store._lookup
-
-    def counted(key: Any) -> Any:
-        nonlocal lookups
-        lookups += 1
-        return lookup(key)
-
-    monkeypatch.setattr(store, "_lookup", counted)
+    looked = _record_lookups(store, monkeypatch)
     try:
         ids = [store.add(f"p:k{i}", "{}").id for i in range(20)]
         # Twenty idle waiters for 2.5 s: each reads the table once; LISTEN covers the rest
         # (the store used to read it again every second: 60 transactions here).
         assert await asyncio.gather(*(store.result_blocking(i, 2500) for i in ids)) == [None] * 20
-        assert lookups == 20
+        assert len(looked) == 20
         waiter = asyncio.ensure_future(store.result_blocking(ids[0], 10_000))
-        await wait_until(lambda: lookups == 21)
+        await wait_until(lambda: len(looked) == 21)
         other = PostgresQueueStore(URL, schema=schema)  # another host's ACK, by NOTIFY
         try:
             assert other.ack(ids[0], '{"result": 1}').success
@@ -532,19 +537,11 @@ async def test_a_long_poll_its_own_ack_answered_is_answered_on_the_loop(
     from queryqueue.driver_postgres.store import PostgresQueueStore
 
     store = PostgresQueueStore(URL, schema=schema)
-    lookups = 0
-    lookup = store._lookup
-
-    def counted(key: Any) -> Any:
-        nonlocal lookups
-        lookups += 1
-        return lookup(key)
-
-    monkeypatch.setattr(store, "_lookup", counted)
+    looked = _record_lookups(store, monkeypatch)
     try:
         queue_id = store.add("p:k", "{}").id
         waiter = asyncio.ensure_future(store.result_blocking(queue_id, 10_000))
-        await wait_until(lambda: lookups == 1 and store.waiters.count() == 1)
+        await wait_until(lambda: len(looked) == 1 and store.waiters.count() == 1)
         hops: list[Any] = []
         run_off_loop = store.run_off_loop
 

@@ -38,7 +38,7 @@ from queryqueue.engine.clock import ManualClock
 from queryqueue.engine.outcome import encode_retry
 from queryqueue.engine.responses import ListResponse
 from tests.supervisor_util import SupervisorProcess, socket_dir, start_supervisor
-from tests.waiting import wait_until
+from tests.waiting import record_wakeups, wait_until
 
 PREFIX = "tq"
 MakeQueue = Callable[..., QueryQueue]
@@ -1162,16 +1162,9 @@ async def test_a_sync_handler_waited_for_on_the_spot_is_acked_without_waking_the
     queue = QueryQueue("spot", query_handlers={"sql": handler}, driver=store, reconcile=False)
     queue.executor.sync_handler_wait = 10.0
     loop = asyncio.get_running_loop()
-    woken: list[object] = []
-    real = loop.call_soon_threadsafe
-
-    def counted(callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
-        woken.append(callback)
-        return real(callback, *args, **kwargs)
-
     added = store.add("spot:k", '{"queryHandler": "sql", "query": "k"}')
     assert store.retrieve(added.id, concurrency=1) is not None
-    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    woken = record_wakeups(loop, monkeypatch)
     try:
         done = await queue.execute_query(
             RetrievedQuery("k", added.id, added.id, 0, {"queryHandler": "sql", "query": "k"}, 1)
