@@ -113,15 +113,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = micro.parser(__doc__, "executor")
-    parser.add_argument("-n", type=int, default=None, help="executions per round")
-    args = parser.parse_args(argv)
-    n = args.n or (300 if args.quick else 5_000)
-    repetitions = args.repetitions or (2 if args.quick else 5)
-    report = run(n, repetitions)
-    print(table(report))
-    print(f"written to {micro.write_report(report, 'executor', quick=args.quick, out=args.out)}")
-    return 0
+    return micro.sized_main(argv, __doc__, "executor", run, table, n_help="executions per round")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +34,24 @@ def write_report(report: dict[str, Any], name: str, *, quick: bool, out: Path | 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     return out
+
+
+def sized_main(
+    argv: list[str] | None,
+    doc: str | None,
+    name: str,
+    run: Callable[[int, int], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+    *,
+    n_help: str,
+) -> int:
+    """A benchmark of `n` calls a repetition (`-n`): 300 x 2 with --quick, 5,000 x 5 else."""
+    made = parser(doc, name)
+    made.add_argument("-n", type=int, default=None, help=n_help)
+    args = made.parse_args(argv)
+    report = run(
+        args.n or (300 if args.quick else 5_000), args.repetitions or (2 if args.quick else 5)
+    )
+    print(table(report))
+    print(f"written to {write_report(report, name, quick=args.quick, out=args.out)}")
+    return 0

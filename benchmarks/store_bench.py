@@ -130,15 +130,9 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = micro.parser(__doc__, "store")
-    parser.add_argument("-n", type=int, default=None, help="calls per command per repetition")
-    args = parser.parse_args(argv)
-    n = args.n or (300 if args.quick else 5_000)
-    repetitions = args.repetitions or (2 if args.quick else 5)
-    report = run(n, repetitions)
-    print(table(report))
-    print(f"written to {micro.write_report(report, 'store', quick=args.quick, out=args.out)}")
-    return 0
+    return micro.sized_main(
+        argv, __doc__, "store", run, table, n_help="calls per command per repetition"
+    )
 
 
 if __name__ == "__main__":

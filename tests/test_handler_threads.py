@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from queryqueue.engine.threads import HandlerThreads
-from tests.waiting import record_wakeups, wait_until
+from tests.recording import record_calls
+from tests.waiting import wait_until
 
 REQUEST = contextvars.ContextVar("REQUEST", default="none")
 
@@ -82,7 +83,7 @@ async def test_a_quick_call_waited_for_on_the_spot_is_done_as_run_returns(
     """A pool worker's sync handler: its outcome comes back without the loop's wake-up."""
     threads = HandlerThreads()
     loop = asyncio.get_running_loop()
-    woken = record_wakeups(loop, monkeypatch)
+    woken = record_calls(monkeypatch, loop, "call_soon_threadsafe")
     quick = threads.run(lambda: (REQUEST.get(), threading.get_ident()), within=10.0)
     assert quick.done()
     context, thread = quick.result()

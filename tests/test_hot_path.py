@@ -23,6 +23,7 @@ from queryqueue.supervisor.deadlines import Deadlines
 from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
+from tests.recording import record_calls
 from tests.waiting import wait_until
 
 
@@ -114,14 +115,7 @@ async def test_an_ack_answers_every_poll_it_wakes_with_one_encoding(
 ) -> None:
     """A dedup storm's waiters: each gets the answer under its own request id, and the
     answer is encoded once for all of them."""
-    encoded: list[Any] = []
-    encode = protocol.encode_body
-
-    def counting(value: Any) -> bytes:
-        encoded.append(value)
-        return encode(value)
-
-    monkeypatch.setattr(server_module, "encode_body", counting)
+    encoded = record_calls(monkeypatch, server_module, "encode_body")
     callers = [SocketQueueDriver(server.socket_path) for _ in range(3)]
     try:
         added = await callers[0].add("p:k", orjson.dumps({"q": 1}).decode())
@@ -257,14 +251,7 @@ async def test_a_fast_tracked_query_lists_nothing_for_the_pool_in_its_own_batch(
     listing for the pool (the ACK's batch still looks: it cannot know)."""
     from tests.apps.pool_app import app
 
-    retrievals: list[int] = []
-    retrieve = pooled._retrieve_for_pool
-
-    def counting() -> Any:
-        retrievals.append(1)
-        return retrieve()
-
-    monkeypatch.setattr(pooled, "_retrieve_for_pool", counting)
+    retrievals = record_calls(monkeypatch, pooled, "_retrieve_for_pool")
     driver = SocketQueueDriver(pooled.socket_path)
     queue = app.pool_queue(driver, continue_wait_timeout=10.0)
     try:

@@ -21,6 +21,7 @@ from queryqueue.engine.clock import ManualClock
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.batches import answers_or_errors
 from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_postgres
+from tests.recording import record_calls
 from tests.supervisor_util import REPO
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
@@ -489,26 +490,13 @@ def _waiting_on_a_lock(admin: Any, schema: str) -> bool:
     return bool(row and row[0] > 0)
 
 
-def _record_lookups(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The keys a store's long polls read the table for (`_lookup`), from now on."""
-    looked: list[Any] = []
-    lookup = store._lookup
-
-    def recorded(key: Any) -> Any:
-        looked.append(key)
-        return lookup(key)
-
-    monkeypatch.setattr(store, "_lookup", recorded)
-    return looked
-
-
 async def test_parked_long_polls_rely_on_listen_while_it_is_healthy(
     schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from queryqueue.driver_postgres.store import PostgresQueueStore
 
     store = PostgresQueueStore(URL, schema=schema)
-    looked = _record_lookups(store, monkeypatch)
+    looked = record_calls(monkeypatch, store, "_lookup")
     try:
         ids = [store.add(f"p:k{i}", "{}").id for i in range(20)]
         # Twenty idle waiters for 2.5 s: each reads the table once; LISTEN covers the rest
@@ -537,19 +525,12 @@ async def test_a_long_poll_its_own_ack_answered_is_answered_on_the_loop(
     from queryqueue.driver_postgres.store import PostgresQueueStore
 
     store = PostgresQueueStore(URL, schema=schema)
-    looked = _record_lookups(store, monkeypatch)
+    looked = record_calls(monkeypatch, store, "_lookup")
     try:
         queue_id = store.add("p:k", "{}").id
         waiter = asyncio.ensure_future(store.result_blocking(queue_id, 10_000))
         await wait_until(lambda: len(looked) == 1 and store.waiters.count() == 1)
-        hops: list[Any] = []
-        run_off_loop = store.run_off_loop
-
-        def counted_hop(*args: Any, **kwargs: Any) -> Any:
-            hops.append(args)
-            return run_off_loop(*args, **kwargs)
-
-        monkeypatch.setattr(store, "run_off_loop", counted_hop)
+        hops = record_calls(monkeypatch, store, "run_off_loop")
         assert store.ack(queue_id, '{"result": 1}').success
         found = await asyncio.wait_for(waiter, 10)
         assert found is not None and found.payload == '{"result": 1}' and found.id == queue_id

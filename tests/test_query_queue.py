@@ -37,8 +37,9 @@ from queryqueue.engine.binary import Outcome
 from queryqueue.engine.clock import ManualClock
 from queryqueue.engine.outcome import encode_retry
 from queryqueue.engine.responses import ListResponse
+from tests.recording import record_calls
 from tests.supervisor_util import SupervisorProcess, socket_dir, start_supervisor
-from tests.waiting import record_wakeups, wait_until
+from tests.waiting import wait_until
 
 PREFIX = "tq"
 MakeQueue = Callable[..., QueryQueue]
@@ -1164,7 +1165,7 @@ async def test_a_sync_handler_waited_for_on_the_spot_is_acked_without_waking_the
     loop = asyncio.get_running_loop()
     added = store.add("spot:k", '{"queryHandler": "sql", "query": "k"}')
     assert store.retrieve(added.id, concurrency=1) is not None
-    woken = record_wakeups(loop, monkeypatch)
+    woken = record_calls(monkeypatch, loop, "call_soon_threadsafe")
     try:
         done = await queue.execute_query(
             RetrievedQuery("k", added.id, added.id, 0, {"queryHandler": "sql", "query": "k"}, 1)

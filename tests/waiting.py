@@ -6,7 +6,6 @@ import asyncio
 import inspect
 import time
 from collections.abc import Callable
-from typing import Any
 
 
 async def wait_until(condition: Callable[[], object], within: float = 10.0, what: str = "") -> None:
@@ -30,17 +29,3 @@ def wait_until_sync(condition: Callable[[], object], within: float = 10.0, what:
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached within {within}s: {what or condition}")
         time.sleep(0.005)
-
-
-def record_wakeups(loop: asyncio.AbstractEventLoop, monkeypatch: Any) -> list[object]:
-    """What other threads hand to `loop` from now on (`call_soon_threadsafe`): each is
-    a wake-up of the loop. `monkeypatch` undoes the recording."""
-    woken: list[object] = []
-    real = loop.call_soon_threadsafe
-
-    def recorded(callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
-        woken.append(callback)
-        return real(callback, *args, **kwargs)
-
-    monkeypatch.setattr(loop, "call_soon_threadsafe", recorded)
-    return woken
