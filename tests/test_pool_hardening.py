@@ -66,9 +66,17 @@ def _starts(workdir: Path, key: str) -> list[list[str]]:
     return [t for t in read_trace(workdir) if t[0] == "start" and t[1] == key]
 
 
+def _one_long_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two callers of one key keep their long polls open throughout: between two polls
+    (the app's 0.5 s), a caller whose re-ADD comes after the other's has read the result
+    by path runs the query again, by design, which these tests count."""
+    monkeypatch.setitem(app.queue_options, "continue_wait_timeout", 60.0)
+
+
 async def test_a_query_that_kills_its_worker_three_times_fails_for_every_waiter(
-    harsh: SupervisorProcess, workdir: Path
+    harsh: SupervisorProcess, workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _one_long_poll(monkeypatch)
     waiters = [app.run("suicide", "doom", {"key": "doom"}, timeout=60) for _ in range(2)]
     outcomes = await asyncio.gather(*waiters, return_exceptions=True)
     assert [type(o) for o in outcomes] == [WorkerLostError] * 2
@@ -85,8 +93,9 @@ async def _pool_size(supervisor: SupervisorProcess, size: int) -> bool:
 
 
 async def test_a_stopped_worker_is_timed_out_by_the_supervisor_and_replaced(
-    harsh: SupervisorProcess, workdir: Path
+    harsh: SupervisorProcess, workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _one_long_poll(monkeypatch)
     waiters = [
         asyncio.ensure_future(app.run("sleep", "stuck", {"key": "stuck", "seconds": 30}))
         for _ in range(2)
