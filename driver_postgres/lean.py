@@ -132,15 +132,20 @@ class Lean:
             return self._conn.execute(query, params)
         pipeline, pgconn = self._pipeline, self._pgconn
         name = self._prepared.names.get(query) or self._sent.get(query)
-        if name is None:
-            name = self._sent[query] = f"qq_{next(self._prepared.numbers)}".encode()
-            pipeline.command_queue.append(functools.partial(pgconn.send_prepare, name, text))
-            pipeline.result_queue.append((_Preparing(self._prepared, query, name), None))
         answer = Answer(self)
-        pipeline.command_queue.append(functools.partial(pgconn.send_query_prepared, name, values))
-        pipeline.result_queue.append((answer, None))
         with self._conn.lock:
-            self._conn.wait(pipeline._communicate_gen())
+            if pipeline.command_queue:  # psycopg's own commands first, in their order
+                self._conn.wait(pipeline._communicate_gen())
+            # Into libpq's buffer, as the pipeline's commands go (`_flush_when_read`): the
+            # statement leaves when an answer is read or the pipeline ends. Straight to
+            # libpq, not through a queued command and a generator `Connection.wait`
+            # drives (3.7 -> 2.5 us an `execute` on the benchmark machine).
+            if name is None:
+                name = self._sent[query] = f"qq_{next(self._prepared.numbers)}".encode()
+                pgconn.send_prepare(name, text)
+                pipeline.result_queue.append((_Preparing(self._prepared, query, name), None))
+            pgconn.send_query_prepared(name, values)
+            pipeline.result_queue.append((answer, None))
         return answer
 
 

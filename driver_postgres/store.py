@@ -372,6 +372,7 @@ class _Batch:
     itself whether a command of it has been kept yet (`kept`)."""
 
     __slots__ = (
+        "committing",
         "conn",
         "expected",
         "failure",
@@ -394,6 +395,7 @@ class _Batch:
         self, conn: psycopg.Connection[Any], prefix: str | None, *, pipelined: bool = False
     ) -> None:
         self.conn = conn
+        self.committing: list[Callable[[], object]] = []  # `before_commit`
         self.prefix = prefix  # locked by the command that opens the transaction
         self.pipelined = pipelined
         self.locked: set[str] = set()
@@ -1022,6 +1024,7 @@ class PostgresQueueStore(QueueStore):
                     if batch.failure is not None:
                         raise batch.failure
                     batch.xid_cursors.append(batch.known.flush(batch.lean or conn))
+                    self._committing(batch)
                     if batch.pipelined:
                         self._commit_in_pipeline(batch, ending)
                 if conn.info.transaction_status not in (_IDLE, _INTRANS):
@@ -1043,6 +1046,20 @@ class PostgresQueueStore(QueueStore):
             return
         for effect in effects:  # decide, then act: only what has committed is told
             effect()
+
+    def before_commit(self, callback: Callable[[], object]) -> None:
+        batch: _Batch | None = getattr(self._local, "batch", None)
+        if batch is not None:
+            batch.committing.append(callback)
+
+    @staticmethod
+    def _committing(batch: _Batch) -> None:
+        """`before_commit`'s callbacks. In a pipelined batch its writes' answers are not
+        in yet either: one refused there has the batch run again (`_Redo`), which calls
+        its own; what they started for nothing finds its item gone (an ACK of nothing)."""
+        callbacks, batch.committing = batch.committing, []
+        for callback in callbacks:
+            callback()
 
     @contextmanager
     def deferring_effects(self) -> Iterator[list[Callable[[], object]]]:
@@ -1087,7 +1104,9 @@ class PostgresQueueStore(QueueStore):
             _flush_when_read(conn)
             batch.lean = self._statements.lean(conn)
             try:
-                conn.execute("BEGIN")
+                # Through the lean path where it can: psycopg's cursor for a BEGIN and a
+                # COMMIT was ~13 % of its lane's CPU at idle (yappi, 2,000 queries).
+                (batch.lean or conn).execute("BEGIN")
             except BaseException as exc:
                 with contextlib.suppress(psycopg.Error):
                     pipeline.__exit__(type(exc), exc, exc.__traceback__)
@@ -1115,7 +1134,7 @@ class PostgresQueueStore(QueueStore):
         if batch.wrote and xid is None:
             return
         ending.xid, ending.committing = xid, True
-        batch.conn.execute("COMMIT")
+        (batch.lean or batch.conn).execute("COMMIT")
 
     def _pipelined_failure(
         self, batch: _Batch, tx: PostgresTransaction, exc: BaseException

@@ -39,6 +39,13 @@ class GroupCommit:
             raise
         return done[0]
 
+    def before_commit(self, callback: Callable[[], object]) -> None:
+        """Inside a `batch`, on its thread: `callback()` once its commands have run, as its
+        COMMIT leaves, before the COMMIT's answer (so it is not known to have committed).
+        A store whose COMMIT waits on the network (PostgreSQL) calls it then, so that work
+        the batch gave a worker can start while the COMMIT is on its way; one whose COMMIT
+        is in process never calls it. Not for an answer: those wait for the commit."""
+
     def unsynced_commit(self) -> int | None:
         """The commit an answer given now must wait for before it leaves (a number for
         `when_synced`); None: every commit so far is durable. None but on a store that

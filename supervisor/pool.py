@@ -412,6 +412,10 @@ class WorkerPool:
                 return worker.finished
         return None
 
+    def holds(self, queue_id: QueueId) -> bool:
+        """A job of this item waits here or runs (not one whose ACK ended it)."""
+        return self._job(queue_id) is not None
+
     def _job(self, key: QueueKey) -> _Job | None:
         for job in self._backlog:
             if key in (job.queue_id, job.path):

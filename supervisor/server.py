@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import inspect
 import logging
@@ -1020,6 +1021,8 @@ class QueueServer:
         now, in this loop turn. The query is the store's own answer, not the client's."""
         assert self.pool is not None
         prefix, _, query_key_hash = path.rpartition(":")
+        if self.pool.holds(answer.id):  # handed over as its COMMIT left
+            return self._fast_tracked_answer(answer)
         query = orjson.loads(answer.payload) if answer.payload is not None else None
         if not isinstance(query, dict):
             return answer
@@ -1032,6 +1035,10 @@ class QueueServer:
             )
         except RuntimeError:
             return answer  # stopping: the client's own hand-off fails the same way, and says so
+        return self._fast_tracked_answer(answer)
+
+    @staticmethod
+    def _fast_tracked_answer(answer: AddAndRetrieveResponse) -> AddAndRetrieveResponse:
         # Built, not dataclasses.replace: that walks the fields on every fast-tracked query.
         return AddAndRetrieveResponse(
             answer.id,
@@ -1330,12 +1337,49 @@ class QueueServer:
         if self.store.blocking:  # a store on the loop reads for nothing ahead
             self._expect_retrieval(batch)
         try:
-            return self._attempt_into(batch, answers)
+            done = self._attempt_into(batch, answers)
         except BaseException:
             # Unwound (a store runs the batch again from the start): its long polls so far
             # wait for nothing.
             self._forget_polls((answers, None))
             raise
+        if self.store.blocking:
+            self._hand_off_as_it_commits(batch, *done)
+        return done
+
+    def _hand_off_as_it_commits(
+        self,
+        batch: list[_Request],
+        answers: list[tuple[bool, Any]],
+        for_pool: list[RetrievedQuery] | None,
+    ) -> None:
+        """On a lane: what the batch gives the pool (the fast track's items, its
+        retrieval) goes to the workers as its COMMIT leaves, not once the COMMIT's answer
+        is back (`before_commit`): a query runs while the COMMIT makes its round trip.
+        Answers still wait for the commit, and so does the pool's word of the batch's
+        ACKs (a worker that ACKed takes its next query once that ACK is answered);
+        `_settle` then hands over only what was not. A batch that does not commit after
+        all gave a worker a query of nothing (its ACK finds no item); one run again hands
+        over what it retrieves then."""
+        fast = [
+            (request, answer)
+            for request, (ok, answer) in zip(batch, answers, strict=True)
+            if ok and self._fast_tracked(request, answer)
+        ]
+        if fast or for_pool:
+            loop = self._loop()
+            self.store.before_commit(
+                functools.partial(loop.call_soon_threadsafe, self._hand_off_early, fast, for_pool)
+            )
+
+    def _hand_off_early(
+        self,
+        fast: list[tuple[_Request, AddAndRetrieveResponse]],
+        for_pool: list[RetrievedQuery] | None,
+    ) -> None:
+        for request, answer in fast:
+            self._dispatch_retrieved(request.args[0], answer, request.started_ms)
+        self._hand_to_pool(for_pool)
 
     def _attempt_into(
         self, batch: list[_Request], answers: list[tuple[bool, Any]]
@@ -1457,6 +1501,8 @@ class QueueServer:
         if not retrieved or self.pool is None:
             return
         for item in retrieved:
+            if self.pool.holds(item.queue_id):
+                continue  # handed over as its batch's COMMIT left (`before_commit`)
             try:
                 self.pool.submit(self.pool.prefix or "", item)
             except RuntimeError:  # stopping since: the stalled path reclaims it

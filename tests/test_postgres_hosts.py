@@ -1283,3 +1283,139 @@ def test_a_statement_prepared_in_a_pipeline_that_failed_is_prepared_again() -> N
         assert "SELECT %s::text" in believed
     finally:
         store.close()
+
+
+def test_before_commit_runs_as_the_commit_leaves_not_after_it_is_answered() -> None:
+    """`before_commit` inside a batch: called once, on the batch's thread, after its
+    commands ran and before its COMMIT went (another connection does not see its writes
+    yet); outside a batch, never. What a server hands its workers then runs while the
+    COMMIT makes its round trip."""
+    import psycopg
+    from psycopg import sql
+
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    seen: list[tuple[int, bool]] = []
+    try:
+        other = psycopg.connect(URL, autocommit=True)
+        count = sql.SQL("SELECT count(*) FROM {}.items WHERE key = 'a'").format(
+            sql.Identifier(store.schema)
+        )
+
+        def committing() -> None:
+            row = other.execute(count).fetchone()
+            assert row is not None
+            seen.append((row[0], threading.current_thread() is threading.main_thread()))
+
+        store.before_commit(lambda: seen.append((-1, False)))  # not in a batch: dropped
+
+        def work() -> Any:
+            store.before_commit(committing)
+            return store.add("p:a", "{}")
+
+        added = store.batched(work, lambda _: None)
+        assert added.added
+        assert seen == [(0, True)]  # once, here, before the COMMIT: nothing to see yet
+        row = other.execute(count).fetchone()
+        assert row is not None and row[0] == 1
+        other.close()
+    finally:
+        store.close()
+
+
+@contextlib.asynccontextmanager
+async def _pg_pool_server(workdir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A server in this process on a PostgreSQL store, its pool of one worker
+    (tests.apps.pool_app), and a pool queue talking to it; all stopped afterwards."""
+    from queryqueue.supervisor.pool import WorkerPool
+    from queryqueue.supervisor.server import QueueServer
+    from tests.apps.pool_app import app
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    pool = WorkerPool(APP, workdir / "s.sock", store, workers=1)
+    server = QueueServer(store, workdir / "s.sock", pool=pool)
+    await server.start()
+    driver = SocketQueueDriver(server.socket_path)
+    queue = app.pool_queue(driver, continue_wait_timeout=30.0)
+    try:
+        await pool.start()
+        yield server, pool, queue
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+        await pool.stop(grace=0)
+        await server.stop()
+        store.close()
+
+
+async def test_a_fast_tracked_query_goes_to_its_worker_before_its_batch_is_answered(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On PostgreSQL a batch commits on a lane; the item its ADD_AND_RETRIEVE retrieved
+    goes to the pool as the COMMIT leaves (`before_commit`), before the loop hears the
+    batch is done, not when it settles the batch; handed over once, and the query
+    answers."""
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    order: list[Any] = []
+    async with _pg_pool_server(workdir) as (server, pool, queue):
+        submit, settle = pool.submit, server._settle
+
+        def submitting(prefix: str, retrieved: Any) -> None:
+            order.append(("hand-off", retrieved.queue_id))
+            submit(prefix, retrieved)
+
+        def settling(batch: list[Any], *rest: Any) -> None:
+            order.append(("settled", [r.method for r in batch]))
+            settle(batch, *rest)
+
+        monkeypatch.setattr(pool, "submit", submitting)
+        monkeypatch.setattr(server, "_settle", settling)
+        answer = await queue.execute_in_queue(
+            "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
+        )
+    assert answer["key"] == "urgent"
+    handed = [i for i, (kind, _) in enumerate(order) if kind == "hand-off"]
+    assert len(handed) == 1, order
+    fast = next(
+        i
+        for i, (kind, what) in enumerate(order)
+        if kind == "settled" and "add_and_retrieve" in what
+    )
+    assert handed[0] < fast, order
+
+
+async def test_a_batch_run_again_after_its_early_hand_off_answers_and_leaves_nothing(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast track's item went to the worker as the batch's COMMIT was leaving, and the
+    batch did not commit: it runs again (guarded), and its item, inserted again under
+    another id, goes to the pool too. The first hand-off ran a query of nothing (its ACK
+    found no item); the caller gets its answer, and nothing is left queued or held."""
+    from queryqueue.driver_postgres import store as pg
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    commit = pg.PostgresQueueStore._commit_in_pipeline
+    failed: list[int] = []
+
+    def fails_once(batch: Any, ending: Any) -> None:
+        if batch.wrote and not failed:  # the ADD_AND_RETRIEVE's (nothing else writes)
+            failed.append(1)
+            raise pg._Redo  # as a write refused at the pipeline's end would
+        commit(batch, ending)
+
+    async with _pg_pool_server(workdir) as (server, pool, queue):
+        store = server.store
+        monkeypatch.setattr(pg.PostgresQueueStore, "_commit_in_pipeline", staticmethod(fails_once))
+        answer = await queue.execute_in_queue(
+            "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
+        )
+        monkeypatch.undo()
+        assert answer["key"] == "urgent"
+        assert failed == [1]
+        assert pool.describe()["handed_off"] == 2  # the phantom and the real one
+        await wait_until(lambda: not pool.running() and not pool.describe()["backlog"])
+        assert store.pending(pool.prefix) == [] and store.active(pool.prefix) == []
+    starts = [t for t in read_trace(workdir) if t[0] == "start"]
+    assert len(starts) == 2
