@@ -25,6 +25,7 @@ from queryqueue import (
 )
 from queryqueue.supervisor.pool import WorkerPool
 from tests.apps.harsh_app import app
+from tests.pool_util import pool_server
 from tests.supervisor_util import SupervisorProcess, start_supervisor
 from tests.trace import read_trace
 from tests.waiting import wait_until
@@ -386,8 +387,6 @@ async def test_a_live_workers_query_is_not_reaped_while_its_heartbeats_cannot_la
     caller gets its answer."""
     from queryqueue.engine.clock import ManualClock
     from queryqueue.engine.errors import StoreError
-    from queryqueue.supervisor.server import QueueServer
-    from tests.apps.pool_app import app as pool_app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     clock = ManualClock()
@@ -405,13 +404,7 @@ async def test_a_live_workers_query_is_not_reaped_while_its_heartbeats_cannot_la
         looked.append(found)
         return found
 
-    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
-    server = QueueServer(store, workdir / "s.sock", pool=pool)
-    await server.start()
-    driver = SocketQueueDriver(server.socket_path)
-    queue = pool_app.pool_queue(driver, continue_wait_timeout=30.0)
-    try:
-        await pool.start()
+    async with pool_server(store, workdir) as (_, pool, queue):
         ask = asyncio.ensure_future(queue.run("sql", "late", {"key": "late", "seconds": 60.0}))
         await wait_until(lambda: len(_starts(workdir, "late")) == 1, within=30)
         (running,) = store.active(queue.prefix)
@@ -429,8 +422,3 @@ async def test_a_live_workers_query_is_not_reaped_while_its_heartbeats_cannot_la
             await asyncio.wait_for(ask, 30)
         assert len(_starts(workdir, "late")) == 1
         assert pool.reclaimed == []
-    finally:
-        await queue.shutdown(grace=0)
-        await driver.close()
-        await pool.stop(grace=0)
-        await server.stop()

@@ -20,6 +20,7 @@ from queryqueue import ContinueWaitError, SocketQueueDriver, StoreError
 from queryqueue.engine.clock import ManualClock
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.batches import answers_or_errors
+from tests.pool_util import pool_server
 from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_postgres
 from tests.recording import record_calls
 from tests.supervisor_util import REPO
@@ -1324,32 +1325,6 @@ def test_before_commit_runs_as_the_commit_leaves_not_after_it_is_answered() -> N
         store.close()
 
 
-@contextlib.asynccontextmanager
-async def _pg_pool_server(workdir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
-    """A server in this process on a PostgreSQL store, its pool of one worker
-    (tests.apps.pool_app), and a pool queue talking to it; all stopped afterwards."""
-    from queryqueue.supervisor.pool import WorkerPool
-    from queryqueue.supervisor.server import QueueServer
-    from tests.apps.pool_app import app
-    from tests.postgres_util import postgres_store
-
-    store = postgres_store()
-    pool = WorkerPool(APP, workdir / "s.sock", store, workers=1)
-    server = QueueServer(store, workdir / "s.sock", pool=pool)
-    await server.start()
-    driver = SocketQueueDriver(server.socket_path)
-    queue = app.pool_queue(driver, continue_wait_timeout=30.0)
-    try:
-        await pool.start()
-        yield server, pool, queue
-    finally:
-        await queue.shutdown(grace=0)
-        await driver.close()
-        await pool.stop(grace=0)
-        await server.stop()
-        store.close()
-
-
 async def test_a_fast_tracked_query_goes_to_its_worker_before_its_batch_is_answered(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1357,9 +1332,11 @@ async def test_a_fast_tracked_query_goes_to_its_worker_before_its_batch_is_answe
     goes to the pool as the COMMIT leaves (`before_commit`), before the loop hears the
     batch is done, not when it settles the batch; handed over once, and the query
     answers."""
+    from tests.postgres_util import postgres_store
+
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     order: list[Any] = []
-    async with _pg_pool_server(workdir) as (server, pool, queue):
+    async with pool_server(postgres_store(), workdir) as (server, pool, queue):
         submit, settle = pool.submit, server._settle
 
         def submitting(prefix: str, retrieved: Any) -> None:
@@ -1394,6 +1371,7 @@ async def test_a_batch_run_again_after_its_early_hand_off_answers_and_leaves_not
     another id, goes to the pool too. The first hand-off ran a query of nothing (its ACK
     found no item); the caller gets its answer, and nothing is left queued or held."""
     from queryqueue.driver_postgres import store as pg
+    from tests.postgres_util import postgres_store
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     commit = pg.PostgresQueueStore._commit_in_pipeline
@@ -1405,7 +1383,7 @@ async def test_a_batch_run_again_after_its_early_hand_off_answers_and_leaves_not
             raise pg._Redo  # as a write refused at the pipeline's end would
         commit(batch, ending)
 
-    async with _pg_pool_server(workdir) as (server, pool, queue):
+    async with pool_server(postgres_store(), workdir) as (server, pool, queue):
         store = server.store
         monkeypatch.setattr(pg.PostgresQueueStore, "_commit_in_pipeline", staticmethod(fails_once))
         answer = await queue.execute_in_queue(
@@ -1416,6 +1394,6 @@ async def test_a_batch_run_again_after_its_early_hand_off_answers_and_leaves_not
         assert failed == [1]
         assert pool.describe()["handed_off"] == 2  # the phantom and the real one
         await wait_until(lambda: not pool.running() and not pool.describe()["backlog"])
-        assert store.pending(pool.prefix) == [] and store.active(pool.prefix) == []
+        assert store.pending(queue.prefix) == [] and store.active(queue.prefix) == []
     starts = [t for t in read_trace(workdir) if t[0] == "start"]
     assert len(starts) == 2

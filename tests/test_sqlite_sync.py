@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from queryqueue import SocketQueueDriver, SqliteQueueStore, StoreError, SupervisorUnavailableError
-from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
+from tests.pool_util import pool_server
 from tests.trace import read_trace
 from tests.waiting import wait_until, wait_until_sync
 
@@ -245,37 +245,25 @@ async def test_the_pools_worker_goes_on_to_its_next_query_while_answers_wait_for
 ) -> None:
     """The worker's own ACK is answered at once (it dies with this host in the power loss
     a sync guards against); its callers' answers wait for the sync."""
-    from tests.apps.pool_app import app as pool_app
-
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    store = _store(workdir / "q.db", held)
-    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
-    server = await _started(store, workdir, pool=pool)
-    driver = SocketQueueDriver(server.socket_path)
-    queue = pool_app.pool_queue(driver, continue_wait_timeout=30.0)
-    try:
-        await pool.start()
-        await _armed(held, driver)
-        asks = [
-            asyncio.ensure_future(queue.run("sql", key, {"key": key, "seconds": 0.0}))
-            for key in ("one", "two", "three")
-        ]
+    async with pool_server(_store(workdir / "q.db", held), workdir) as (_, _, queue):
+        try:
+            await _armed(held, queue.driver)
+            asks = [
+                asyncio.ensure_future(queue.run("sql", key, {"key": key, "seconds": 0.0}))
+                for key in ("one", "two", "three")
+            ]
 
-        def ended() -> set[str]:
-            return {t[1] for t in read_trace(workdir) if t[0] == "end"}
+            def ended() -> set[str]:
+                return {t[1] for t in read_trace(workdir) if t[0] == "end"}
 
-        await wait_until(lambda: ended() == {"one", "two", "three"}, within=60)
-        assert held.entered == 1 and not any(ask.done() for ask in asks)
-        held.go.set()
-        answers = await asyncio.wait_for(asyncio.gather(*asks), 30)
-        assert [answer["key"] for answer in answers] == ["one", "two", "three"]
-    finally:
-        held.go.set()
-        await queue.shutdown(grace=0)
-        await driver.close()
-        await pool.stop(grace=0)
-        await server.stop()
-        store.close()
+            await wait_until(lambda: ended() == {"one", "two", "three"}, within=60)
+            assert held.entered == 1 and not any(ask.done() for ask in asks)
+            held.go.set()
+            answers = await asyncio.wait_for(asyncio.gather(*asks), 30)
+            assert [answer["key"] for answer in answers] == ["one", "two", "three"]
+        finally:
+            held.go.set()  # the sync the server's stop waits for
 
 
 async def test_a_supervisor_whose_sync_failed_exits_with_the_error(

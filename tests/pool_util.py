@@ -1,0 +1,40 @@
+"""A queue server in the test's own process with a worker pool (tests.apps.pool_app) on
+the store the test gives it, and a pool queue talking to it over its socket."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from queryqueue.engine.store import QueueStore
+from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.supervisor.pool import WorkerPool
+from queryqueue.supervisor.server import QueueServer
+
+POOL_APP = "tests.apps.pool_app:app"
+
+
+@contextlib.asynccontextmanager
+async def pool_server(
+    store: QueueStore, workdir: Path, *, workers: int = 1, **server_options: Any
+) -> AsyncIterator[tuple[QueueServer, WorkerPool, Any]]:
+    """(server, its pool, a pool queue on it); the queue's driver is `queue.driver`. All
+    of it is stopped afterwards (the workers by their pool, by pid), and `store` closed."""
+    from tests.apps.pool_app import app
+
+    pool = WorkerPool(POOL_APP, workdir / "s.sock", store, workers=workers)
+    server = QueueServer(store, workdir / "s.sock", pool=pool, **server_options)
+    await server.start()
+    driver = SocketQueueDriver(server.socket_path)
+    queue = app.pool_queue(driver, continue_wait_timeout=30.0)
+    try:
+        await pool.start()
+        yield server, pool, queue
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+        await pool.stop(grace=0)
+        await server.stop()
+        store.close()
