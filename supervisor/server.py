@@ -1111,8 +1111,7 @@ class QueueServer:
         first: their ACKs are what the next batch waits for), then the waiters it woke
         (`effects`, a lane's batch), then its answers."""
         self._note_acks(batch, answers)
-        self._hand_to_pool(for_pool)
-        self._dispatch_fast_tracked(batch, answers)
+        self._hand_over(batch, answers, for_pool)
         for effect in effects or ():  # here on the loop
             try:
                 effect()
@@ -1121,6 +1120,18 @@ class QueueServer:
         # A batch that tried the pool's retrieval did its reconcile's work (found nothing
         # is an answer too): a poke would list ACTIVE and PENDING again for nothing.
         self._answer_batch(batch, answers, poke=for_pool is None)
+
+    def _hand_over(
+        self,
+        batch: list[_Request],
+        answers: list[tuple[bool, Any]],
+        for_pool: list[RetrievedQuery] | None,
+    ) -> None:
+        """What a batch gives the pool: its retrieval, then its fast-tracked items (their
+        answers marked dispatched). What the pool holds already is not handed over again
+        (`_hand_off_as_it_commits`)."""
+        self._hand_to_pool(for_pool)
+        self._dispatch_fast_tracked(batch, answers)
 
     def _dispatch_fast_tracked(
         self, batch: list[_Request], answers: list[tuple[bool, Any]]
@@ -1361,25 +1372,20 @@ class QueueServer:
         `_settle` then hands over only what was not. A batch that does not commit after
         all gave a worker a query of nothing (its ACK finds no item); one run again hands
         over what it retrieves then."""
-        fast = [
-            (request, answer)
+        if for_pool or any(
+            ok and self._fast_tracked(request, answer)
             for request, (ok, answer) in zip(batch, answers, strict=True)
-            if ok and self._fast_tracked(request, answer)
-        ]
-        if fast or for_pool:
-            loop = self._loop()
+        ):
+            # A copy of the answers: the loop marks them dispatched when it settles.
             self.store.before_commit(
-                functools.partial(loop.call_soon_threadsafe, self._hand_off_early, fast, for_pool)
+                functools.partial(
+                    self._loop().call_soon_threadsafe,
+                    self._hand_over,
+                    batch,
+                    list(answers),
+                    for_pool,
+                )
             )
-
-    def _hand_off_early(
-        self,
-        fast: list[tuple[_Request, AddAndRetrieveResponse]],
-        for_pool: list[RetrievedQuery] | None,
-    ) -> None:
-        for request, answer in fast:
-            self._dispatch_retrieved(request.args[0], answer, request.started_ms)
-        self._hand_to_pool(for_pool)
 
     def _attempt_into(
         self, batch: list[_Request], answers: list[tuple[bool, Any]]

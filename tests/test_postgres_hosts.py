@@ -1299,28 +1299,27 @@ def test_before_commit_runs_as_the_commit_leaves_not_after_it_is_answered() -> N
     store = postgres_store()
     seen: list[tuple[int, bool]] = []
     try:
-        other = psycopg.connect(URL, autocommit=True)
-        count = sql.SQL("SELECT count(*) FROM {}.items WHERE key = 'a'").format(
-            sql.Identifier(store.schema)
-        )
+        with psycopg.connect(URL, autocommit=True) as other:
+            count = sql.SQL("SELECT count(*) FROM {}.items WHERE key = 'a'").format(
+                sql.Identifier(store.schema)
+            )
 
-        def committing() -> None:
+            def committing() -> None:
+                row = other.execute(count).fetchone()
+                assert row is not None
+                seen.append((row[0], threading.current_thread() is threading.main_thread()))
+
+            store.before_commit(lambda: seen.append((-1, False)))  # not in a batch: dropped
+
+            def work() -> Any:
+                store.before_commit(committing)
+                return store.add("p:a", "{}")
+
+            added = store.batched(work, lambda _: None)
+            assert added.added
+            assert seen == [(0, True)]  # once, here, before the COMMIT: nothing to see yet
             row = other.execute(count).fetchone()
-            assert row is not None
-            seen.append((row[0], threading.current_thread() is threading.main_thread()))
-
-        store.before_commit(lambda: seen.append((-1, False)))  # not in a batch: dropped
-
-        def work() -> Any:
-            store.before_commit(committing)
-            return store.add("p:a", "{}")
-
-        added = store.batched(work, lambda _: None)
-        assert added.added
-        assert seen == [(0, True)]  # once, here, before the COMMIT: nothing to see yet
-        row = other.execute(count).fetchone()
-        assert row is not None and row[0] == 1
-        other.close()
+            assert row is not None and row[0] == 1
     finally:
         store.close()
 
