@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
@@ -12,6 +13,7 @@ from queryqueue import (
     ExternalIdConflictError,
     InvalidCommandError,
     QueueStore,
+    StoreError,
 )
 from queryqueue.engine.clock import ManualClock
 from queryqueue.engine.responses import (
@@ -862,6 +864,49 @@ def test_a_batch_commits_its_commands_and_undoes_a_failing_one_alone(store: Queu
     assert store.add(path("c"), payload()).pending == 2  # the counts hold the batch's changes
     # The failed ones are gone for good: their paths add afresh.
     assert store.add(path("first-fails"), payload()).added
+
+
+async def test_before_commit_runs_once_after_the_batchs_commands_before_its_waiters_wake(
+    store: QueueStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`before_commit` inside a batch: once, after the batch's commands ran and before it
+    committed (its waiters are not woken yet); outside a batch, or in a batch that fails,
+    never. One that raises is logged, and the batch commits. A store with no COMMIT (in
+    memory) never calls it."""
+    commits = type(store).batch is not QueueStore.batch
+    qid = store.add(path("a"), payload()).id
+    found, waiter = store.result_blocking_start(qid, 10_000)
+    assert found is None and waiter is not None
+    seen: list[str] = []
+    try:
+        store.before_commit(lambda: seen.append("outside"))
+
+        def failing() -> None:
+            store.before_commit(lambda: seen.append("failed"))
+            raise StoreError("the batch fails")
+
+        with pytest.raises(StoreError):
+            store.batched(failing, lambda _: None)
+
+        def fails() -> None:
+            raise RuntimeError("a hand-off failed")
+
+        def work() -> bool:
+            store.before_commit(fails)  # logged: the COMMIT and the next callback go ahead
+            store.before_commit(lambda: seen.append(f"woken={waiter.future.done()}"))
+            seen.append("commands")
+            return store.ack(qid, payload(r=1)).success
+
+        with caplog.at_level(logging.ERROR):
+            assert store.batched(work, lambda _: None)
+        assert ("a hand-off failed" in caplog.text) is commits
+        assert seen == (["commands", "woken=False"] if commits else ["commands"])
+        event = await asyncio.wait_for(waiter.future, 10)
+        assert event.id == qid
+        store.batched(lambda: store.add(path("b"), payload()), lambda _: None)
+        assert seen == (["commands", "woken=False"] if commits else ["commands"])  # once
+    finally:
+        store.waiters.unsubscribe(waiter)
 
 
 async def test_a_batch_wakes_its_waiters_once_it_committed(store: QueueStore) -> None:
