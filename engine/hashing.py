@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
+import orjson
+
 _ARRAY_INDEX_LIMIT = 2**32 - 1
 
 
@@ -29,12 +31,40 @@ def hash_query_key(
     query_key: Any, *, persistent: bool = False, process_uid: str | None = None
 ) -> str:
     """MD5 hex of the compact JSON of `query_key`, plus `@<process_uid>` when persistent."""
-    digest = hashlib.md5(js_json_stringify(query_key).encode("utf-8")).hexdigest()
+    digest = hashlib.md5(stringified(query_key)).hexdigest()
     if persistent:
         if not process_uid:
             raise ValueError("a persistent query key needs the process_uid of its owner")
         return f"{digest}@{process_uid}"
     return digest
+
+
+def stringified(value: Any) -> bytes:
+    """`js_json_stringify(value)` in UTF-8. orjson's output where the two agree: a key of
+    strings, integers (64-bit), booleans, nulls, lists and objects whose keys are strings
+    other than array indexes (which JavaScript lists first); with a float, whose digits
+    differ, or anything else, ours. A request process hashes every query's key before it
+    is sent: our writer was a seventh of its time a query."""
+    if _plain(value):
+        try:
+            return orjson.dumps(value)
+        except orjson.JSONEncodeError:  # an integer past 64 bits
+            pass
+    return js_json_stringify(value).encode("utf-8")
+
+
+def _plain(value: Any) -> bool:
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return True
+    if kind is list or kind is tuple:
+        return all(_plain(item) for item in value)
+    if kind is dict:
+        return all(
+            type(key) is str and not _is_array_index(key) and _plain(item)
+            for key, item in value.items()
+        )
+    return False
 
 
 def may_run_in(query_key_hash: str, process_uid: str) -> bool:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from queryqueue import hash_query_key
-from queryqueue.engine.hashing import js_json_stringify
+from queryqueue.engine.hashing import js_json_stringify, stringified
 
 
 def test_string_key_matches_cube_store_driver() -> None:
@@ -54,3 +56,33 @@ def test_serialization_follows_javascript(value: object, javascript: str) -> Non
 def test_unserializable_key_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match="set"):
         hash_query_key({1, 2})
+
+
+_KEY_PARTS = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(
+            st.text(max_size=3) | st.sampled_from(["0", "7", "01", "-1"]), inner, max_size=4
+        )
+    ),
+    max_leaves=12,
+)
+
+
+@given(_KEY_PARTS)
+def test_the_fast_serialization_is_javascripts(value: object) -> None:
+    """orjson serializes a plain key (no float, no array-index key, 64-bit integers) and
+    our writer the rest; either way the bytes are JSON.stringify's."""
+    try:
+        expected = js_json_stringify(value).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8, either way
+        with pytest.raises(UnicodeEncodeError):
+            stringified(value)
+        return
+    assert stringified(value) == expected
