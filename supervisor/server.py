@@ -1413,7 +1413,13 @@ class QueueServer:
         if pool is None or pool.queue is None:
             return
         full = pool.full
-        if any(_moves_pool(COMMANDS.get(request.method), full) for request in batch):
+        # Not for the fast track's ADD_AND_RETRIEVE: it retrieves what it adds while the
+        # prefix has room, which leaves nothing pending to read (an idle query's batch
+        # read the head for nothing); where it does not, the retrieval reads it then.
+        if any(
+            _moves_pool(COMMANDS.get(request.method), full) and not self._may_fast_track(request)
+            for request in batch
+        ):
             queue = pool.queue
             self.store.expect_retrieval(queue.prefix, queue.process_uid, queue.concurrency)
 

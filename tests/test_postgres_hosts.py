@@ -1396,3 +1396,43 @@ async def test_a_batch_run_again_after_its_early_hand_off_answers_and_leaves_not
         assert store.pending(queue.prefix) == [] and store.active(queue.prefix) == []
     starts = [t for t in read_trace(workdir) if t[0] == "start"]
     assert len(starts) == 2
+
+
+async def test_a_fast_tracked_querys_batch_reads_no_pending_head_for_the_pool(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ADD_AND_RETRIEVE retrieves what it adds while the prefix has room, so its batch
+    sends no read of PENDING's head for the pool ahead (an idle query's batch read it for
+    nothing); the ACK's batch, which frees a slot, still does."""
+    from queryqueue.driver_postgres.lean import Lean
+    from tests.postgres_util import postgres_store
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    statements: list[str] = []
+    lean_execute = Lean.execute
+
+    def recorded(self: Lean, query: Any, *args: Any, **kwargs: Any) -> Any:
+        statements.append(str(query))
+        return lean_execute(self, query, *args, **kwargs)
+
+    async with pool_server(postgres_store(), workdir) as (_, _pool, queue):
+        await queue.driver.call("ping")
+        monkeypatch.setattr(Lean, "execute", recorded)
+        answer = await queue.execute_in_queue(
+            "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
+        )
+        monkeypatch.undo()
+    assert answer["key"] == "urgent"
+    transactions: list[list[str]] = []
+    current: list[str] = []
+    for statement in statements:
+        current.append(statement)
+        if statement == "COMMIT":
+            transactions.append(current)
+            current = []
+    head = "ORDER BY priority DESC, id LIMIT"
+    added = [t for t in transactions if any(s.startswith("INSERT INTO items") for s in t)]
+    acked = [t for t in transactions if any(s.startswith("DELETE FROM items") for s in t)]
+    assert len(added) == 1 and len(acked) == 1, transactions
+    assert not [s for s in added[0] if head in s], added[0]
+    assert [s for s in acked[0] if head in s], acked[0]
