@@ -33,7 +33,6 @@ from queryqueue.driver_sqlite.syncer import Synced, WalSyncer
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import StoreError
-from queryqueue.engine.group_commit import call_before_commit
 from queryqueue.engine.records import (
     INSERTED_COLUMNS,
     ITEM_COLUMNS,
@@ -390,7 +389,6 @@ class SqliteQueueStore(QueueStore):
         # Each command of a batch in a savepoint of its own: all but `batched`'s first run.
         self._guarded = True
         self._deferred: list[Callable[[], object]] = []
-        self._committing: list[Callable[[], object]] = []  # `before_commit`'s, this batch's
         self._counts = CountChanges()  # the current transaction's (`_begin`)
         # Each prefix's counters (pending, active) as last committed: counted once, then
         # kept as each transaction commits (a table of them cost a statement and a WAL
@@ -538,16 +536,13 @@ class SqliteQueueStore(QueueStore):
             self._begin()
             self._in_batch = True
             self._deferred = []
-            self._committing = []
             try:
                 yield
-                self._before_commit()
                 self._commit()
             except BaseException as exc:
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
                 self._deferred = []
-                self._committing = []
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"cannot commit to {self.path}: {exc}") from exc
                 raise
@@ -573,14 +568,6 @@ class SqliteQueueStore(QueueStore):
             finally:
                 self._guarded = True
             return super().batched(work, undo, prefix)
-
-    def before_commit(self, callback: Callable[[], object]) -> None:
-        if self._in_batch:
-            self._committing.append(callback)
-
-    def _before_commit(self) -> None:
-        callbacks, self._committing = self._committing, []
-        call_before_commit(callbacks)
 
     def _after_commit(self, effect: Callable[[], object]) -> None:
         if self._in_batch:

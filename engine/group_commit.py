@@ -53,11 +53,14 @@ class GroupCommit:
 
     def before_commit(self, callback: Callable[[], object]) -> None:
         """Inside a `batch`, on its thread: `callback()` once its commands have run, as its
-        COMMIT leaves, before the COMMIT's answer (so it is not known to have committed):
-        work the batch gave a worker starts while the COMMIT is on its way to PostgreSQL,
-        or while SQLite writes it to its WAL. A batch that does not get that far (it
-        failed, or runs again) drops it; a store with no COMMIT (in memory) never calls it.
-        Not for an answer: those wait for the commit."""
+        COMMIT leaves, before the COMMIT's answer (so it is not known to have committed).
+        A store whose COMMIT waits on the network (PostgreSQL) calls it then, so that work
+        the batch gave a worker can start while the COMMIT is on its way; a batch that
+        does not get that far (it failed, or runs again) drops it. SQLite never calls it:
+        a batch that fails to commit takes back the ids it gave (AUTOINCREMENT's counter
+        is in the transaction), so work handed over before its COMMIT could share an id
+        with the next item, and its ACK complete that one. Not for an answer: those wait
+        for the commit."""
 
     def unsynced_commit(self) -> int | None:
         """The commit an answer given now must wait for before it leaves (a number for

@@ -871,9 +871,9 @@ async def test_before_commit_runs_once_after_the_batchs_commands_before_its_wait
 ) -> None:
     """`before_commit` inside a batch: once, after the batch's commands ran and before it
     committed (its waiters are not woken yet); outside a batch, or in a batch that fails,
-    never. One that raises is logged, and the batch commits. A store with no COMMIT (in
-    memory) never calls it."""
-    commits = type(store).batch is not QueueStore.batch
+    never. One that raises is logged, and the batch commits. A store that does not call
+    it (in memory; SQLite, whose failed batch takes its ids back) drops it."""
+    commits = type(store).before_commit is not QueueStore.before_commit
     qid = store.add(path("a"), payload()).id
     found, waiter = store.result_blocking_start(qid, 10_000)
     assert found is None and waiter is not None
