@@ -32,6 +32,7 @@ import asyncio
 import bisect
 import contextlib
 import functools
+import logging
 import threading
 import time
 import uuid
@@ -52,7 +53,6 @@ from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import ExternalIdConflictError, StoreError
-from queryqueue.engine.group_commit import call_before_commit
 from queryqueue.engine.records import (
     INSERTED_COLUMNS,
     ITEM_COLUMNS,
@@ -74,6 +74,7 @@ from queryqueue.engine.waiters import AckEvent, Waiter
 _FETCH = "\x00fetch"
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 RECONNECT_ATTEMPTS = 4
 RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a second
 _NO_SAVEPOINT = contextlib.nullcontext()
@@ -1059,7 +1060,12 @@ class PostgresQueueStore(QueueStore):
         in yet either: one refused there has the batch run again (`_Redo`), which calls
         its own; what they started for nothing finds its item gone (an ACK of nothing)."""
         callbacks, batch.committing = batch.committing, []
-        call_before_commit(callbacks)
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                # Decide, then act: what a callback starts cannot undo the batch.
+                _log.exception("a callback before a batch's COMMIT failed")
 
     @contextmanager
     def deferring_effects(self) -> Iterator[list[Callable[[], object]]]:

@@ -6,7 +6,6 @@ COMMIT, among a batch's commands, each atomic on its own within it."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
@@ -14,17 +13,6 @@ from typing import Any, TypeVar
 from queryqueue.engine.errors import StoreError
 
 T = TypeVar("T")
-_log = logging.getLogger(__name__)
-
-
-def call_before_commit(callbacks: list[Callable[[], object]]) -> None:
-    """A batch's `before_commit` callbacks, in order. Decide, then act: what they start
-    cannot undo the batch, so one that fails is logged and the COMMIT goes ahead."""
-    for callback in callbacks:
-        try:
-            callback()
-        except Exception:
-            _log.exception("a callback before a batch's COMMIT failed")
 
 
 class GroupCommit:
