@@ -45,6 +45,7 @@ import orjson
 import psycopg
 from psycopg import sql
 
+from queryqueue.driver_postgres.ahead import AddAhead, adds_read_ahead
 from queryqueue.driver_postgres.lean import Executor, Lean, Rows, Statements
 from queryqueue.driver_postgres.schema import ACTIVE, PENDING, migrate
 from queryqueue.driver_postgres.watchdog import Watchdog
@@ -121,6 +122,7 @@ _ID_IF_INSERTED = (
     "   ORDER BY id DESC LIMIT 1), false))"
     " THEN nextval(pg_get_serial_sequence('items', 'id')) END, txid_current()"
 )
+_RESULT_EXPIRE = RESULT_COLUMNS.split(", ").index("expire")
 _INSERT_ITEM = (
     f"INSERT INTO items ({INSERTED_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
     " %s, %s) RETURNING id, txid_current()"
@@ -364,6 +366,47 @@ class _Head:
         return rows[:limit]
 
 
+class _AddReads:
+    """An ADD's reads as sent (`_send_add_reads`): what they asked, and their answers."""
+
+    __slots__ = ("cursors", "external_id", "since")
+
+    def __init__(
+        self, external_id: str | None, since: int | None, cursors: dict[tuple[Any, ...], Rows]
+    ) -> None:
+        self.external_id, self.since, self.cursors = external_id, since, cursors
+
+
+def _send_add_reads(
+    execute: Callable[..., Rows],
+    prefix: str,
+    key: str,
+    external_id: str | None,
+    result_since: int | None,
+) -> _AddReads:
+    """The reads an ADD of `prefix:key` may make, and the id it takes if it will insert,
+    sent without waiting for their answers; keyed as `PostgresTransaction._read_ahead`
+    asks for them (the result's by the path alone: `latest_result_by_path` checks that it
+    still holds at its own time)."""
+    path = f"{prefix}:{key}"
+    cursors: dict[tuple[Any, ...], Rows] = {("find", path): execute(_FIND_BY_PATH, (prefix, key))}
+    if external_id is not None:
+        cursors["external_id", external_id] = execute(_EXTERNAL_ID_TAKEN, (external_id,))
+    if result_since is not None:
+        cursors["result", path] = execute(_LATEST_RESULT_BY_PATH, (path, result_since))
+    cursors["id", path] = execute(
+        _ID_IF_INSERTED,
+        {
+            "prefix": prefix,
+            "key": key,
+            "path": path,
+            "external_id": external_id,
+            "since": result_since,
+        },
+    )
+    return _AddReads(external_id, result_since, cursors)
+
+
 class _Batch:
     """A group commit in progress on one thread's connection: the prefixes whose lock it
     holds (taken by commands that committed into it) and what it knows of them, whether
@@ -374,6 +417,8 @@ class _Batch:
     itself whether a command of it has been kept yet (`kept`)."""
 
     __slots__ = (
+        "adds",
+        "ahead",
         "committing",
         "conn",
         "expected",
@@ -412,6 +457,10 @@ class _Batch:
         # the batch's first statements, after its prefix's lock (`foreseen`, by id).
         self.expected: list[int] = []
         self.foreseen: dict[int, Rows] = {}
+        # Its ADDs whose reads go with its first statements too (ahead.py), and, sent, those
+        # reads by path, until the ADD of the path takes them (`expect_add`).
+        self.adds: list[AddAhead] = []
+        self.ahead: dict[str, _AddReads] = {}
         # How its statements are sent while pipelined (lean.py); None: psycopg's execute.
         self.lean: Lean | None = None
         # The pool's retrieval it will likely make (`PostgresQueueStore.expect_retrieval`):
@@ -438,6 +487,7 @@ class PostgresTransaction:
         foreseen: dict[int, Rows] | None = None,
         head: _Head | None = None,
         executor: Executor | None = None,
+        batch_ahead: dict[str, _AddReads] | None = None,
     ) -> None:
         self._conn = conn
         # Where its statements go: the connection, or a pipelined batch's Lean.
@@ -458,6 +508,10 @@ class PostgresTransaction:
         self._unsettled: list[tuple[str, Rows]] = []
         # Reads sent ahead of the command that reads them (`expect_add`), by what they ask.
         self._ahead: dict[tuple[Any, ...], Rows] = {}
+        # The batch's ADDs' reads sent with its first statements (ahead.py), by path.
+        self._batch_ahead = batch_ahead if batch_ahead is not None else {}
+        # The time the result read ahead was read for (`latest_result_by_path`).
+        self._result_since: int | None = None
         # Items whose NOTIFY went with their result's INSERT (`insert_result`).
         self._notified: set[int] = set()
         # The batch's reads of items by id, sent ahead (`_Batch.foreseen`): shared by its
@@ -521,30 +575,26 @@ class PostgresTransaction:
         takes if it inserts (`_ID_IF_INSERTED`): one round trip for all of them, and its
         INSERT waits for nothing (an idle ADD waited four times: its find, the path's
         result, its INSERT's id, the batch's end; now twice). A read the ADD does not make
-        (it joined the item found) was for nothing."""
+        (it joined the item found) was for nothing. Sent with the batch's first
+        statements already (ahead.py), they are taken from there: the batch waits once
+        for all its ADDs' reads, not once an ADD."""
         if not self._pipelined:
             return  # run guarded, each read waits for its answer as it comes
         self.lock(item.prefix)
-        ahead, execute = self._ahead, self._c.execute
-        ahead["find", item.path] = execute(_FIND_BY_PATH, (item.prefix, item.key))
-        if item.external_id is not None:
-            ahead["external_id", item.external_id] = execute(
-                _EXTERNAL_ID_TAKEN, (item.external_id,)
+        reads = self._batch_ahead.pop(item.path, None)
+        if reads is not None and (
+            reads.external_id != item.external_id or (reads.since is None) != (result_since is None)
+        ):
+            # Not the ADD the batch was told of: it reads in its turn, and so do the next
+            # ones (the id it takes now must not come after theirs).
+            self._batch_ahead.clear()
+            reads = None
+        if reads is None:
+            reads = _send_add_reads(
+                self._c.execute, item.prefix, item.key, item.external_id, result_since
             )
-        if result_since is not None:
-            ahead["result", item.path, result_since] = execute(
-                _LATEST_RESULT_BY_PATH, (item.path, result_since)
-            )
-        ahead["id", item.path] = execute(
-            _ID_IF_INSERTED,
-            {
-                "prefix": item.prefix,
-                "key": item.key,
-                "path": item.path,
-                "external_id": item.external_id,
-                "since": result_since,
-            },
-        )
+        self._ahead.update(reads.cursors)
+        self._result_since = reads.since
 
     def _read_ahead(self, *asked: Any) -> tuple[bool, tuple[Any, ...] | None]:
         """(True, its row) when `asked` was sent ahead; (False, None) when it was not."""
@@ -783,7 +833,18 @@ class PostgresTransaction:
         )
 
     def latest_result_by_path(self, path: str, now: int) -> StoredResult | None:
-        sent, row = self._read_ahead("result", path, now)
+        since = self._result_since
+        sent, row = self._read_ahead("result", path) if since is not None else (False, None)
+        # Read ahead as of `since` (the batch's start, at most now): the path's latest
+        # result unexpired then is its latest now too if it still is, and none then is
+        # none now. One that expired between is read again, and so are the next ADDs'
+        # reads: the id read ahead with it may not be the one this ADD needs (it may
+        # insert in its turn, after the ids the next ones took: they leave theirs unused).
+        if sent and (
+            since is None or since > now or (row is not None and row[_RESULT_EXPIRE] <= now)
+        ):
+            self._batch_ahead.clear()
+            sent = False
         if not sent:
             row = self._one(_LATEST_RESULT_BY_PATH, (path, now))
         return result_from_row(row)
@@ -1161,6 +1222,7 @@ class PostgresQueueStore(QueueStore):
         if batch.kept or tx.wrote:
             return _Redo()
         batch.foreseen.clear()  # read under the lock the rollback lets go
+        batch.ahead.clear()
         if batch.head is not None:
             batch.head.drop()
         try:
@@ -1175,19 +1237,22 @@ class PostgresQueueStore(QueueStore):
             return self._broken(batch, exc)
         return StoreError(f"queue database: {exc}")
 
-    def expect(self, commands: Iterable[tuple[str, Sequence[Any]]]) -> None:
+    def expect(self, commands: Iterable[Sequence[Any]]) -> None:
         """The ACKs by queue id of a pipelined batch with a prefix (its workers' ACKs, in
-        the transaction of the ADDs and the retrieval they free a slot for): their items
-        are read with the batch's first statements, so the batch waits for all of them at
-        once, not once per ACK."""
+        the transaction of the ADDs and the retrieval they free a slot for), and the ADDs
+        that come before anything that could change what they read (ahead.py): their
+        items, and the ADDs' reads, go with the batch's first statements, so the batch
+        waits for all of them at once, not once per ACK or ADD."""
         batch: _Batch | None = getattr(self._local, "batch", None)
         if batch is None or not batch.pipelined or batch.prefix is None:
             return
+        commands = list(commands)
         batch.expected = [
-            args[0]
-            for method, args in commands
-            if method == "ack" and args and type(args[0]) is int
+            command[1][0]
+            for command in commands
+            if command[0] == "ack" and command[1] and type(command[1][0]) is int
         ]
+        batch.adds = adds_read_ahead(commands, batch.prefix)
 
     def expect_retrieval(self, prefix: str, process_id: str | None, limit: int) -> None:
         """The pool's retrieval this pipelined batch of `prefix` will likely make (its
@@ -1217,6 +1282,13 @@ class PostgresQueueStore(QueueStore):
                 (prefix, PENDING, process_id, window),
             )
             batch.head = _Head(prefix, process_id, window, cursor)
+        adds, batch.adds = batch.adds, []
+        if adds:
+            now = self.clock.now_ms()
+            for add in adds:
+                batch.ahead[add.path] = _send_add_reads(
+                    execute, add.prefix, add.key, add.external_id, now if add.if_no_result else None
+                )
 
     @contextmanager
     def _command_in(self, batch: _Batch) -> Iterator[PostgresTransaction]:
@@ -1241,6 +1313,7 @@ class PostgresQueueStore(QueueStore):
             foreseen=batch.foreseen,
             head=batch.head,
             executor=batch.lean,
+            batch_ahead=batch.ahead,
         )
         try:
             with self._watchdog.watching(conn):

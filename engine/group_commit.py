@@ -64,10 +64,11 @@ class GroupCommit:
     def sync_now(self) -> None:
         """Make every commit so far durable, here and now (graceful shutdown)."""
 
-    def expect(self, commands: Iterable[tuple[str, Sequence[Any]]]) -> None:
-        """The commands (name, positional arguments) a `batch` is about to run, in order:
-        a store whose reads cost a round trip each may send some ahead, together. A hint:
-        each command still runs and reads as it would without it."""
+    def expect(self, commands: Iterable[Sequence[Any]]) -> None:
+        """The commands (name, positional arguments and, as a supervisor tells them,
+        keywords) a `batch` is about to run, in order: a store whose reads cost a round
+        trip each may send some ahead, together. A hint: each command still runs and
+        reads as it would without it."""
 
     def deferring_effects(self) -> AbstractContextManager[list[Callable[[], object]]]:
         """What committing batches on this thread would do next (wake waiters and slot

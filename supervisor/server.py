@@ -1344,7 +1344,7 @@ class QueueServer:
         self, batch: list[_Request]
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         answers: list[tuple[bool, Any]] = []
-        self.store.expect((r.method, r.args) for r in batch if r.refused is None)
+        self.store.expect((r.method, r.args, r.kwargs) for r in batch if r.refused is None)
         if self.store.blocking:  # a store on the loop reads for nothing ahead
             self._expect_retrieval(batch)
         try:

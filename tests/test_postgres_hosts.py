@@ -976,6 +976,110 @@ def test_a_batchs_acks_by_id_are_read_with_its_first_statements(
         store.close()
 
 
+def test_a_batchs_adds_are_read_with_its_first_statements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Told the batch's commands with their keywords, as a supervisor tells them, the
+    store sends the reads of its ADDs of other paths (their item, external id, unread
+    result and the id each takes if it inserts) with the batch's first statements: three
+    ADDs and a worker's ACK wait once for the database before the COMMIT, not three
+    times, and answer as the in-memory store does, ids included. An ADD of a path seen
+    before it in the batch reads in its turn (a wait of its own), and so do those after
+    it: their ids stay in the batch's order. Told the commands without their keywords,
+    each ADD reads in its turn."""
+    from psycopg import _pipeline_base
+
+    from queryqueue.engine.memory_store import MemoryQueueStore
+    from tests.postgres_util import postgres_store
+
+    model = MemoryQueueStore(clock=ManualClock())
+    store = postgres_store(clock=model.clock)
+    try:
+        for target in (model, store):
+            target.ack(target.add("p:warm", "{}").id, None)  # the first ACK's purge, done
+            target.ack(target.add("p:b", "{}").id, '"b"')  # an unread result to join
+            target.retrieve(target.add("p:a", "{}").id)
+        ack = 3
+        script: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+            ("add", ("p:c", "{}"), {"external_id": "e1", "if_no_result": True}),
+            ("add", ("p:b", "{}"), {"if_no_result": True}),  # joins p:b's result
+            ("add", ("p:d", "{}"), {"priority": 5}),
+            ("ack", (ack, '"a"'), {}),
+        ]
+        again: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+            ("add", ("p:e", "{}"), {}),
+            ("add", ("p:e", "{}"), {}),  # its path seen: reads in its turn
+            ("add", ("p:f", "{}"), {}),  # after it: in its turn too
+        ]
+        fetch = _pipeline_base.BasePipeline._fetch_gen
+
+        def run(
+            commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]], keywords: bool = True
+        ) -> int:
+            """The batch's answers checked; how many times it waited before its COMMIT."""
+            expected = [getattr(model, name)(*args, **kw) for name, args, kw in commands]
+            events = _recording(store, monkeypatch)
+
+            def waited(self: Any, *args: Any, flush: bool = False) -> Any:
+                if flush:  # an answer not in yet: sent what is queued and waits for it
+                    events.append("<wait>")
+                return fetch(self, *args, flush=flush)
+
+            monkeypatch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", waited)
+
+            def work() -> list[Any]:
+                store.expect(commands if keywords else [(name, a) for name, a, _ in commands])
+                return [getattr(store, name)(*args, **kw) for name, args, kw in commands]
+
+            answers = store.batched(work, lambda _: None, prefix="p")
+            monkeypatch.undo()
+            assert answers == expected
+            return events[: events.index("COMMIT")].count("<wait>")
+
+        assert run(script) == 1
+        assert run(again) == 3
+        # Told names and arguments only, each ADD reads in its turn.
+        assert run([(name, (f"{args[0]}2", *args[1:]), kw) for name, args, kw in again], False) == 3
+        assert run([("add", (f"p:g{n}", "{}"), {}) for n in range(3)], False) == 3
+        assert store.result(ack) == model.result(ack)
+        assert [row.id for row in store.pending("p")] == [row.id for row in model.pending("p")]
+    finally:
+        store.close()
+
+
+def test_an_add_whose_result_expired_since_the_batch_read_ahead_reads_it_again() -> None:
+    """A batch's ADDs read before its commands run: an unread result of an ADD's path
+    that expires in between is read again (the ADD inserts, as in its turn it would),
+    and the next ADDs then read in their turn, so their items still come after its (the
+    ids they took ahead go unused)."""
+    from tests.postgres_util import postgres_store
+
+    clock = ManualClock()
+    store = postgres_store(clock=clock, result_ttl_ms=5_000)
+    try:
+        store.ack(store.add("p:a", "{}").id, '"old"')  # unread until it expires
+        clock.advance(4_999)
+        commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+            ("add", ("p:z", "{}"), {}),  # the batch's first: its ADDs' reads go with it
+            ("add", ("p:a", "{}"), {"if_no_result": True}),
+            ("add", ("p:b", "{}"), {}),
+        ]
+
+        def work() -> list[Any]:
+            store.expect(commands)
+            answers = []
+            for _, args, kw in commands:
+                answers.append(store.add(*args, **kw))
+                clock.advance(1)  # the result expires after the reads, before its ADD
+            return answers
+
+        z, a, b = store.batched(work, lambda _: None, prefix="p")
+        assert z.added and a.added and b.added and z.id < a.id < b.id
+        assert [row.id for row in store.pending("p")] == ["z", "a", "b"]
+    finally:
+        store.close()
+
+
 def test_the_pools_retrieval_is_read_with_the_batchs_first_statements(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -281,9 +281,17 @@ def _run_all(store: QueueStore, commands: list[tuple[Any, ...]]) -> list[Any]:
 
 
 @settings(max_examples=int(os.environ.get("QQ_BATCH_EXAMPLES", "30")), deadline=None)
-@given(before=setup_lists, commands=command_lists, prefix=st.sampled_from([None, "a"]))
+@given(
+    before=setup_lists,
+    commands=command_lists,
+    prefix=st.sampled_from([None, "a"]),
+    keywords=st.booleans(),
+)
 def test_a_batch_answers_as_its_commands_one_by_one(
-    before: list[tuple[Any, ...]], commands: list[tuple[Any, ...]], prefix: str | None
+    before: list[tuple[Any, ...]],
+    commands: list[tuple[Any, ...]],
+    prefix: str | None,
+    keywords: bool,
 ) -> None:
     """A store that batches (and keeps what it read of a locked prefix within a batch,
     or read ahead what the batch's commands will ask for) answers a sequence of commands
@@ -304,7 +312,7 @@ def test_a_batch_answers_as_its_commands_one_by_one(
                 _run_all(store, before)
             expected = _run_all(model, commands)
             for store in batching:
-                got = _batched(store, commands, prefix)
+                got = _batched(store, commands, prefix, keywords)
                 assert got == expected, type(store).__name__
                 for p in PREFIXES:
                     assert store.list_items(p) == model.list_items(p)
@@ -318,9 +326,18 @@ def test_a_batch_answers_as_its_commands_one_by_one(
                 store.close()
 
 
-def _batched(store: QueueStore, commands: list[tuple[Any, ...]], prefix: str | None) -> list[Any]:
+def _expected(commands: list[tuple[Any, ...]], keywords: bool) -> list[tuple[Any, ...]]:
+    """What a batch is told it will run: as a supervisor tells it (names, arguments and
+    keywords: its ADDs' reads may go ahead too), or names and arguments only."""
+    calls = _calls(commands)
+    return calls if keywords else [(name, args) for name, args, _ in calls]
+
+
+def _batched(
+    store: QueueStore, commands: list[tuple[Any, ...]], prefix: str | None, keywords: bool
+) -> list[Any]:
     def work() -> list[Any]:
-        store.expect((name, args) for name, args, _ in _calls(commands))  # as a supervisor does
+        store.expect(_expected(commands, keywords))
         if prefix is not None:  # its pool's retrieval, whether the batch makes it or not
             store.expect_retrieval(prefix, POOL_PROCESS, 2)
         return _run_all(store, commands)
@@ -362,9 +379,10 @@ pool_commands = st.lists(
     before=st.lists(pool_adds, min_size=0, max_size=12),
     commands=pool_commands,
     spare=st.sampled_from([0, 1, 8]),
+    keywords=st.booleans(),
 )
 def test_a_pool_batch_retrieves_what_its_commands_one_by_one_would(
-    before: list[tuple[Any, ...]], commands: list[tuple[Any, ...]], spare: int
+    before: list[tuple[Any, ...]], commands: list[tuple[Any, ...]], spare: int, keywords: bool
 ) -> None:
     """A supervisor's batch reads the head of PENDING for its pool's retrieval with its
     first statements (`expect_retrieval`), before its commands insert, activate, cancel
@@ -379,7 +397,7 @@ def test_a_pool_batch_retrieves_what_its_commands_one_by_one_would(
         expected = _run_all(model, commands)
 
         def work() -> list[Any]:
-            store.expect((name, args) for name, args, _ in _calls(commands))
+            store.expect(_expected(commands, keywords))
             store.expect_retrieval("a", POOL_PROCESS, 1)
             return _run_all(store, commands)
 
@@ -390,5 +408,84 @@ def test_a_pool_batch_retrieves_what_its_commands_one_by_one_would(
         assert call(store, "retrieve_next", "a", concurrency=20, process_id=POOL_PROCESS) == (
             call(model, "retrieve_next", "a", concurrency=20, process_id=POOL_PROCESS)
         )
+    finally:
+        store.close()
+
+
+# A supervisor's batch of requests: ADDs (the same path or external id again, bad input,
+# unread results to join) and commands by path, then its workers' ACKs by queue id and
+# its pool's retrieval. Its ADDs' reads go with its first statements (ahead.py) up to the
+# first command that could change what they read.
+a_paths = st.builds(lambda k: f"a:{k}", st.sampled_from(KEYS))
+request_commands = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), a_paths, payloads, add_options),
+        st.tuples(st.just("add"), a_paths, st.just("{}"), add_options),
+        st.tuples(st.just("add_and_retrieve"), a_paths, st.integers(1, 3), add_options),
+        st.tuples(st.just("result"), a_paths),
+        st.tuples(st.just("ack"), a_paths, st.sampled_from([None, '{"r":1}'])),
+        st.tuples(st.just("cancel"), a_paths),
+        st.tuples(st.just("retrieve"), a_paths, st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+batch_tails = st.lists(
+    st.one_of(
+        st.tuples(st.just("ack"), queue_ids_of_a_batch, st.just('{"r":2}')),
+        st.tuples(st.just("retrieve_next"), st.just("a"), st.integers(1, 3)),
+    ),
+    max_size=3,
+)
+# Results to join or not: ACKed by path, some of them read since.
+results_before = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), a_paths, st.just("{}"), add_options),
+        st.tuples(st.just("ack"), a_paths, st.sampled_from([None, '{"r":0}'])),
+        st.tuples(st.just("result"), a_paths),
+    ),
+    min_size=2,
+    max_size=12,
+)
+
+
+@pytest.mark.skipif(postgres_unavailable() is not None, reason="no PostgreSQL")
+@settings(max_examples=int(os.environ.get("QQ_BATCH_EXAMPLES", "30")), deadline=None)
+@given(
+    before=results_before,
+    aged=st.sampled_from([0, 4_999, 5_000]),
+    commands=request_commands,
+    tail=batch_tails,
+)
+def test_a_batchs_adds_read_ahead_answer_as_they_would_one_by_one(
+    before: list[tuple[Any, ...]],
+    aged: int,
+    commands: list[tuple[Any, ...]],
+    tail: list[tuple[Any, ...]],
+) -> None:
+    """The reads of a batch's ADDs sent with its first statements, before any of its
+    commands ran, give every answer the model gives for the commands run one by one
+    (the ids included: none taken ahead for nothing, none out of turn), and leave the
+    same items; `aged`: the results made before are about to expire, or just have."""
+    clock = ManualClock()
+    model = MemoryQueueStore(clock=clock, result_ttl_ms=5_000)
+    store = postgres_store(clock=clock, result_ttl_ms=5_000)
+    try:
+        for target in (model, store):
+            _run_all(target, before)
+        clock.advance(aged)
+        expected = _run_all(model, commands + tail)
+
+        def work() -> list[Any]:
+            store.expect(_expected(commands + tail, keywords=True))
+            store.expect_retrieval("a", POOL_PROCESS, 2)
+            return _run_all(store, commands + tail)
+
+        assert store.batched(work, lambda _: None, "a") == expected
+        assert store.list_items("a") == model.list_items("a")
+        probe = [("add", ("a:probe", "{}")), ("retrieve", ("a:probe",))]
+        assert [call(store, name, *args) for name, args in probe] == [
+            call(model, name, *args) for name, args in probe
+        ]
     finally:
         store.close()
