@@ -816,6 +816,23 @@ def _recording(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return statements
 
 
+def _recording_waits(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`_recording`'s statements, with "<wait>" where the thread waited for an answer not
+    in yet (psycopg's pipeline then sends what is queued and waits for it)."""
+    from psycopg import _pipeline_base
+
+    events = _recording(store, monkeypatch)
+    fetch = _pipeline_base.BasePipeline._fetch_gen
+
+    def waited(self: Any, *args: Any, flush: bool = False) -> Any:
+        if flush:
+            events.append("<wait>")
+        return fetch(self, *args, flush=flush)
+
+    monkeypatch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", waited)
+    return events
+
+
 def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -938,7 +955,6 @@ def test_a_batchs_acks_by_id_are_read_with_its_first_statements(
     queue id ask for are read right after the batch's prefix lock, so the ACKs wait for
     their reads together with the first command that waits: two waits for the database
     before the COMMIT here (the first ACK's, the ADD's reads), not three."""
-    from psycopg import _pipeline_base
 
     from tests.postgres_util import postgres_store
 
@@ -949,15 +965,7 @@ def test_a_batchs_acks_by_id_are_read_with_its_first_statements(
         a, b = store.add("p:a", "{}").id, store.add("p:b", "{}").id
         store.retrieve("p:a")
         store.retrieve("p:b")
-        events = _recording(store, monkeypatch)
-        fetch = _pipeline_base.BasePipeline._fetch_gen
-
-        def waited(self: Any, *args: Any, flush: bool = False) -> Any:
-            if flush:  # an answer not in yet: sent what is queued and waits for it
-                events.append("<wait>")
-            return fetch(self, *args, flush=flush)
-
-        monkeypatch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", waited)
+        events = _recording_waits(store, monkeypatch)
 
         def work() -> list[Any]:
             store.expect([("ack", (a, '"ra"')), ("add", ("p:c", "{}")), ("ack", (b, None))])
@@ -987,7 +995,6 @@ def test_a_batchs_adds_are_read_with_its_first_statements(
     before it in the batch reads in its turn (a wait of its own), and so do those after
     it: their ids stay in the batch's order. Told the commands without their keywords,
     each ADD reads in its turn."""
-    from psycopg import _pipeline_base
 
     from queryqueue.engine.memory_store import MemoryQueueStore
     from tests.postgres_util import postgres_store
@@ -1011,21 +1018,13 @@ def test_a_batchs_adds_are_read_with_its_first_statements(
             ("add", ("p:e", "{}"), {}),  # its path seen: reads in its turn
             ("add", ("p:f", "{}"), {}),  # after it: in its turn too
         ]
-        fetch = _pipeline_base.BasePipeline._fetch_gen
 
         def run(
             commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]], keywords: bool = True
         ) -> int:
             """The batch's answers checked; how many times it waited before its COMMIT."""
             expected = [getattr(model, name)(*args, **kw) for name, args, kw in commands]
-            events = _recording(store, monkeypatch)
-
-            def waited(self: Any, *args: Any, flush: bool = False) -> Any:
-                if flush:  # an answer not in yet: sent what is queued and waits for it
-                    events.append("<wait>")
-                return fetch(self, *args, flush=flush)
-
-            monkeypatch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", waited)
+            events = _recording_waits(store, monkeypatch)
 
             def work() -> list[Any]:
                 store.expect(commands if keywords else [(name, a) for name, a, _ in commands])
@@ -1089,8 +1088,6 @@ def test_the_pools_retrieval_is_read_with_the_batchs_first_statements(
     worker's ACK, then the retrieval wait once for the database before the COMMIT (the
     ADD's reads, which bring the rest), and the retrieval takes the ADD's item, of the
     highest priority, before the one queued earlier."""
-    from psycopg import _pipeline_base
-
     from tests.postgres_util import postgres_store
 
     # Time stands still: the ACK's purge of expired results (once a second) stays done.
@@ -1100,15 +1097,7 @@ def test_the_pools_retrieval_is_read_with_the_batchs_first_statements(
         a = store.add("p:a", "{}").id
         store.add("p:b", "{}")
         assert [r.id for r in store.retrieve_next("p", concurrency=1, process_id="pool")] == [a]
-        events = _recording(store, monkeypatch)
-        fetch = _pipeline_base.BasePipeline._fetch_gen
-
-        def waited(self: Any, *args: Any, flush: bool = False) -> Any:
-            if flush:
-                events.append("<wait>")
-            return fetch(self, *args, flush=flush)
-
-        monkeypatch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", waited)
+        events = _recording_waits(store, monkeypatch)
 
         def work() -> list[Any]:
             store.expect([("add", ("p:c", "{}")), ("ack", (a, '"ra"'))])
