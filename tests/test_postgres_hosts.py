@@ -1079,6 +1079,51 @@ def test_an_add_whose_result_expired_since_the_batch_read_ahead_reads_it_again()
         store.close()
 
 
+def test_an_add_not_the_one_the_batch_was_told_of_reads_in_its_turn() -> None:
+    """`expect` is a hint: an ADD that runs with other keywords than the batch was told
+    (another external id; without if_no_result) reads in its turn, and so do the ADDs
+    after it: the answers are those of the commands run one by one, and the items come
+    in the batch's order (the ids read ahead for what was told go unused)."""
+    from queryqueue.engine.memory_store import MemoryQueueStore
+    from tests.postgres_util import postgres_store
+
+    model = MemoryQueueStore(clock=ManualClock())
+    store = postgres_store(clock=model.clock)
+    try:
+        for target in (model, store):
+            target.ack(target.add("p:r", "{}").id, '"r"')  # an unread result, told joined
+            target.add("p:x", "{}", external_id="e1")
+        told: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+            ("add", ("p:a", "{}"), {"external_id": "e2"}),
+            ("add", ("p:r", "{}"), {"if_no_result": True}),
+            ("add", ("p:b", "{}"), {}),
+        ]
+        run: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+            ("add", ("p:a", "{}"), {"external_id": "e1"}),  # taken: refused
+            ("add", ("p:r", "{}"), {}),  # not joining the result: inserts, in its turn
+            ("add", ("p:b", "{}"), {}),
+        ]
+        expected = answers_or_errors(
+            *(functools.partial(getattr(model, name), *args, **kw) for name, args, kw in run)
+        )
+
+        def work() -> list[Any]:
+            store.expect(told)
+            return answers_or_errors(
+                *(functools.partial(getattr(store, name), *args, **kw) for name, args, kw in run)
+            )
+
+        got = store.batched(work, lambda _: None, prefix="p")
+        assert [type(a) for a in got] == [type(a) for a in expected]
+        assert [(a.added, a.pending) for a in got[1:]] == [
+            (a.added, a.pending) for a in expected[1:]
+        ]
+        assert got[1].id < got[2].id
+        assert [row.id for row in store.pending("p")] == [row.id for row in model.pending("p")]
+    finally:
+        store.close()
+
+
 def test_the_pools_retrieval_is_read_with_the_batchs_first_statements(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
