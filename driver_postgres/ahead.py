@@ -9,9 +9,10 @@ what the ADD would read in its turn only when nothing run before it could have c
 them: the commands before it are ADDs of other paths and other external ids (an ADD
 changes its own path's rows, and takes its external id everywhere), their own long
 polls, and commands by path of other paths (an ACK or a CANCEL also frees the external
-id of the item it removes: no ADD naming one is read ahead after it). The first command by queue id, or any other
-(a RETRIEVE_NEXT activates items of any path), ends the ADDs read ahead: a supervisor's
-batch puts its workers' ACKs last (`_acks_last`), so its ADDs come before them. So does
+id of the item it removes: no ADD naming one is read ahead after it). The first command
+by queue id, or any other (a RETRIEVE_NEXT activates items of any path), ends the ADDs
+read ahead: a supervisor's batch puts its workers' ACKs last (`_acks_last`), so its ADDs
+come before them. So does
 the first ADD that may insert but is not read ahead (its path's or external id's rows
 changed before it, or another prefix's): the ids read ahead are taken in the order of
 the batch, and one taken in its turn after them would put its item behind later ones.
@@ -59,10 +60,11 @@ class AddAhead:
 
 def adds_read_ahead(commands: Iterable[Sequence[Any]], prefix: str) -> list[AddAhead]:
     """The ADDs of `commands` (name, positional arguments, keywords; in the batch's
-    order; the batch holds `prefix`'s lock) whose reads, made before any of them runs, are what they would read in their
-    turn. An ADD told without its keywords (name and arguments only) may name any
-    external id: it ends them. An ADD whose arguments are bad is not read for: it fails
-    before it reads, and the id read ahead for it would be a gap in the ids."""
+    order; the batch holds `prefix`'s lock) whose reads, made before any of them runs,
+    are what they would read in their turn. An ADD told without its keywords (name and
+    arguments only) may name any external id: it ends them. An ADD whose arguments are
+    bad is not read for: it fails before it reads, and the id read ahead for it would be
+    a gap in the ids."""
     found: list[AddAhead] = []
     paths: set[str] = set()
     external_ids: set[str] = set()
@@ -123,4 +125,5 @@ def _ahead(method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> AddAhead
         )
     except InvalidCommandError:
         return None
-    return AddAhead(item.prefix, item.key, item.external_id, kwargs.get("if_no_result") is True)
+    # As the command reads it: any true value asks for an unread result.
+    return AddAhead(item.prefix, item.key, item.external_id, bool(kwargs.get("if_no_result")))
