@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import orjson
@@ -366,15 +366,13 @@ class _Head:
         return rows[:limit]
 
 
+@dataclass(slots=True)
 class _AddReads:
     """An ADD's reads as sent (`_send_add_reads`): what they asked, and their answers."""
 
-    __slots__ = ("cursors", "external_id", "since")
-
-    def __init__(
-        self, external_id: str | None, since: int | None, cursors: dict[tuple[Any, ...], Rows]
-    ) -> None:
-        self.external_id, self.since, self.cursors = external_id, since, cursors
+    external_id: str | None
+    since: int | None
+    cursors: dict[tuple[Any, ...], Rows]
 
 
 def _send_add_reads(
@@ -833,18 +831,18 @@ class PostgresTransaction:
         )
 
     def latest_result_by_path(self, path: str, now: int) -> StoredResult | None:
-        since = self._result_since
-        sent, row = self._read_ahead("result", path) if since is not None else (False, None)
-        # Read ahead as of `since` (the batch's start, at most now): the path's latest
-        # result unexpired then is its latest now too if it still is, and none then is
-        # none now. One that expired between is read again, and so are the next ADDs'
-        # reads: the id read ahead with it may not be the one this ADD needs (it may
-        # insert in its turn, after the ids the next ones took: they leave theirs unused).
-        if sent and (
-            since is None or since > now or (row is not None and row[_RESULT_EXPIRE] <= now)
-        ):
-            self._batch_ahead.clear()
-            sent = False
+        since, sent, row = self._result_since, False, None
+        if since is not None:
+            sent, row = self._read_ahead("result", path)
+            # Read ahead as of `since` (the batch's start, at most now): the path's latest
+            # result unexpired then is its latest now too if it still is, and none then is
+            # none now. One that expired between is read again, and so are the next ADDs'
+            # reads: the id read ahead with it may not be the one this ADD needs (it may
+            # insert in its turn, after the ids the next ones took: they leave theirs
+            # unused).
+            if sent and (since > now or (row is not None and row[_RESULT_EXPIRE] <= now)):
+                self._batch_ahead.clear()
+                sent = False
         if not sent:
             row = self._one(_LATEST_RESULT_BY_PATH, (path, now))
         return result_from_row(row)
