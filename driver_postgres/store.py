@@ -54,6 +54,7 @@ from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import ExternalIdConflictError, StoreError
+from queryqueue.engine.group_commit import call_before_commit
 from queryqueue.engine.records import (
     INSERTED_COLUMNS,
     ITEM_COLUMNS,
@@ -1119,12 +1120,7 @@ class PostgresQueueStore(QueueStore):
         in yet either: one refused there has the batch run again (`_Redo`), which calls
         its own; what they started for nothing finds its item gone (an ACK of nothing)."""
         callbacks, batch.committing = batch.committing, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:
-                # Decide, then act: what a callback starts cannot undo the batch.
-                _log.exception("a callback before a batch's COMMIT failed")
+        call_before_commit(callbacks)
 
     @contextmanager
     def deferring_effects(self) -> Iterator[list[Callable[[], object]]]:

@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from queryqueue.driver_sqlite.checkpoints import Checkpointer
+from queryqueue.driver_sqlite.ids import IdBlock
 from queryqueue.driver_sqlite.schema import ACTIVE, COUNT_BY_PREFIX, PENDING, migrate
 from queryqueue.driver_sqlite.syncer import Synced, WalSyncer
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import StoreError
+from queryqueue.engine.group_commit import call_before_commit
 from queryqueue.engine.records import (
     INSERTED_COLUMNS,
     ITEM_COLUMNS,
@@ -69,12 +71,20 @@ class _Savepoint:
     failed after writing is run again guarded (`_Redo`)."""
 
     def __init__(
-        self, conn: sqlite3.Connection, path: Path, counts: CountChanges, *, guarded: bool = True
+        self,
+        conn: sqlite3.Connection,
+        path: Path,
+        counts: CountChanges,
+        ids: IdBlock,
+        *,
+        guarded: bool = True,
     ) -> None:
         self._c = conn
         self._path = path
         self._counts = counts
         self._counted = counts.keep() if guarded else None
+        self._ids = ids
+        self._ids_at = ids.next  # a command undone gives its ids again: no gap
         self._guarded = guarded
         self.opened = False
 
@@ -103,6 +113,7 @@ class _Savepoint:
                 self._c.execute("RELEASE command")
             if self._counted is not None:
                 self._counts.restore(self._counted)
+            self._ids.next = self._ids_at
 
     def release(self) -> None:
         if self.opened and self._guarded:
@@ -121,10 +132,12 @@ class SqliteTransaction:
         conn: sqlite3.Connection,
         counts: CountChanges,
         stored: dict[str, tuple[int, int]],
+        ids: IdBlock,
         savepoint: _Savepoint | None = None,
     ) -> None:
         self._c = conn
         self._counts = counts
+        self._ids = ids
         self._stored = stored  # the counters as last committed (read only here)
         self._savepoint = savepoint
 
@@ -157,17 +170,27 @@ class SqliteTransaction:
 
     def insert(self, item: Item) -> QueueId:
         self._write()
-        row = self._one(
-            f"INSERT INTO items ({INSERTED_COLUMNS})"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-            inserted_values(item),
-        )
-        assert row is not None
+        id = self._ids.take()
+        if id is None:  # a transaction of more items than a block has left (ids.py)
+            row = self._one(
+                f"INSERT INTO items ({INSERTED_COLUMNS})"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                inserted_values(item),
+            )
+            assert row is not None
+            id = int(row[0])
+            self._ids.used(id)
+        else:
+            self._c.execute(
+                f"INSERT INTO items (id, {INSERTED_COLUMNS})"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (id, *inserted_values(item)),
+            )
         if item.status == "pending":
             self._count(item.prefix, 1, 0)
         else:
             self._count(item.prefix, 0, 1)
-        return int(row[0])
+        return id
 
     def _count(self, prefix: str, pending: int, active: int) -> None:
         self._write()
@@ -389,6 +412,8 @@ class SqliteQueueStore(QueueStore):
         # Each command of a batch in a savepoint of its own: all but `batched`'s first run.
         self._guarded = True
         self._deferred: list[Callable[[], object]] = []
+        self._committing: list[Callable[[], object]] = []  # `before_commit`'s, this batch's
+        self._ids = IdBlock()
         self._counts = CountChanges()  # the current transaction's (`_begin`)
         # Each prefix's counters (pending, active) as last committed: counted once, then
         # kept as each transaction commits (a table of them cost a statement and a WAL
@@ -453,6 +478,8 @@ class SqliteQueueStore(QueueStore):
             # A writer that never pauses outruns the rounds: the WAL would never restart.
             self.checkpointer.fold(self._conn)
         try:
+            if self._ids.low():
+                self._ids.reserve(self._conn)
             self._conn.execute("BEGIN IMMEDIATE")
             # Changed only by another connection's commit (this one's own do not change it).
             (version,) = self._conn.execute("PRAGMA data_version").fetchone()
@@ -465,6 +492,7 @@ class SqliteQueueStore(QueueStore):
                     self._conn.execute("ROLLBACK")
             raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
         self._counts = CountChanges()
+        self._ids.begin()
 
     def _count_items(self) -> dict[str, tuple[int, int]]:
         """Each prefix's counters, counted (at open, and after another connection wrote:
@@ -496,9 +524,13 @@ class SqliteQueueStore(QueueStore):
         if self._in_batch:
             # One command inside a batch: undone alone if it fails, the batch goes on.
             with self._lock:
-                savepoint = _Savepoint(self._conn, self.path, self._counts, guarded=self._guarded)
+                savepoint = _Savepoint(
+                    self._conn, self.path, self._counts, self._ids, guarded=self._guarded
+                )
                 try:
-                    yield SqliteTransaction(self._conn, self._counts, self._stored, savepoint)
+                    yield SqliteTransaction(
+                        self._conn, self._counts, self._stored, self._ids, savepoint
+                    )
                 except _Redo:
                     raise
                 except BaseException as exc:
@@ -511,10 +543,11 @@ class SqliteQueueStore(QueueStore):
         with self._lock:
             self._begin()
             try:
-                yield SqliteTransaction(self._conn, self._counts, self._stored)
+                yield SqliteTransaction(self._conn, self._counts, self._stored, self._ids)
             except BaseException as exc:
                 with suppress(sqlite3.Error):  # the original error is the one worth reporting
                     self._conn.execute("ROLLBACK")
+                self._ids.rolled_back()
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"queue database {self.path}: {exc}") from exc
                 raise
@@ -523,12 +556,15 @@ class SqliteQueueStore(QueueStore):
             except sqlite3.Error as exc:
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
+                self._ids.rolled_back()  # handed to no one outside a batch
                 raise StoreError(f"cannot commit to {self.path}: {exc}") from exc
 
     @contextmanager
     def batch(self, prefix: str | None = None) -> Iterator[None]:
         """Group commit: one transaction (one WAL commit, one fsync with FULL) for every
-        command run inside; each command is a savepoint of its own."""
+        command run inside; each command is a savepoint of its own. Its `before_commit`
+        callbacks run as its COMMIT starts (ids.py: its ids are never given again, even
+        should the COMMIT fail); after it, if an item took an id outside the block."""
         with self._lock:
             if self._in_batch:
                 yield
@@ -536,13 +572,23 @@ class SqliteQueueStore(QueueStore):
             self._begin()
             self._in_batch = True
             self._deferred = []
+            self._committing = []
+            handed = False
             try:
                 yield
+                if not self._ids.outside:
+                    handed = True
+                    self._before_commit()
                 self._commit()
+                if not handed:
+                    self._before_commit()
             except BaseException as exc:
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
+                if not handed:
+                    self._ids.rolled_back()
                 self._deferred = []
+                self._committing = []
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"cannot commit to {self.path}: {exc}") from exc
                 raise
@@ -568,6 +614,14 @@ class SqliteQueueStore(QueueStore):
             finally:
                 self._guarded = True
             return super().batched(work, undo, prefix)
+
+    def before_commit(self, callback: Callable[[], object]) -> None:
+        if self._in_batch:
+            self._committing.append(callback)
+
+    def _before_commit(self) -> None:
+        callbacks, self._committing = self._committing, []
+        call_before_commit(callbacks)
 
     def _after_commit(self, effect: Callable[[], object]) -> None:
         if self._in_batch:
@@ -605,6 +659,8 @@ class SqliteQueueStore(QueueStore):
             self.syncer.close()
         self.checkpointer.close()
         with self._lock:
+            with suppress(sqlite3.Error):  # a database that cannot take it keeps the gap
+                self._ids.give_back(self._conn)
             self._conn.close()
         if self.syncer is not None:
             self.syncer.close_fd()

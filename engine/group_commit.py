@@ -6,6 +6,7 @@ COMMIT, among a batch's commands, each atomic on its own within it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
@@ -13,6 +14,17 @@ from typing import Any, TypeVar
 from queryqueue.engine.errors import StoreError
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
+
+
+def call_before_commit(callbacks: list[Callable[[], object]]) -> None:
+    """A batch's `before_commit` callbacks, in order. Decide, then act: what they start
+    cannot undo the batch, so one that fails is logged and the COMMIT goes ahead."""
+    for callback in callbacks:
+        try:
+            callback()
+        except Exception:
+            _log.exception("a callback before a batch's COMMIT failed")
 
 
 class GroupCommit:
@@ -41,14 +53,13 @@ class GroupCommit:
 
     def before_commit(self, callback: Callable[[], object]) -> None:
         """Inside a `batch`, on its thread: `callback()` once its commands have run, as its
-        COMMIT leaves, before the COMMIT's answer (so it is not known to have committed).
-        A store whose COMMIT waits on the network (PostgreSQL) calls it then, so that work
-        the batch gave a worker can start while the COMMIT is on its way; a batch that
-        does not get that far (it failed, or runs again) drops it. SQLite never calls it:
-        a batch that fails to commit takes back the ids it gave (AUTOINCREMENT's counter
-        is in the transaction), so work handed over before its COMMIT could share an id
-        with the next item, and its ACK complete that one. Not for an answer: those wait
-        for the commit."""
+        COMMIT leaves, before the COMMIT's answer (so it is not known to have committed):
+        work the batch gave a worker starts while the COMMIT is on its way to PostgreSQL,
+        or while SQLite writes its WAL. A batch that does not get that far (it failed, or
+        runs again) drops it; a store with no COMMIT (in memory) never calls it. The ids
+        such work carries are never given again, whether or not the COMMIT succeeds (a
+        PostgreSQL sequence; SQLite's blocks, driver_sqlite/ids.py), so its ACK finds no
+        item rather than another's. Not for an answer: those wait for the commit."""
 
     def unsynced_commit(self) -> int | None:
         """The commit an answer given now must wait for before it leaves (a number for

@@ -1354,8 +1354,7 @@ class QueueServer:
             # wait for nothing.
             self._forget_polls((answers, None))
             raise
-        if self.store.blocking:
-            self._hand_off_as_it_commits(batch, *done)
+        self._hand_off_as_it_commits(batch[: len(done[0])], *done)
         return done
 
     def _hand_off_as_it_commits(
@@ -1364,28 +1363,26 @@ class QueueServer:
         answers: list[tuple[bool, Any]],
         for_pool: list[RetrievedQuery] | None,
     ) -> None:
-        """On a lane: what the batch gives the pool (the fast track's items, its
-        retrieval) goes to the workers as its COMMIT leaves, not once the COMMIT's answer
-        is back (`before_commit`): a query runs while the COMMIT makes its round trip.
-        Answers still wait for the commit, and so does the pool's word of the batch's
-        ACKs (a worker that ACKed takes its next query once that ACK is answered);
+        """What the batch gives the pool (the fast track's items, its retrieval) goes to
+        the workers as its COMMIT leaves, not once it is done (`before_commit`): a query
+        runs while the COMMIT makes its round trip to PostgreSQL, or while SQLite writes
+        its WAL. Answers still wait for the commit, and so does the pool's word of the
+        batch's ACKs (a worker that ACKed takes its next query once that ACK is answered);
         `_settle` then hands over only what was not. A batch that does not commit after
-        all gave a worker a query of nothing (its ACK finds no item: PostgreSQL never
-        hands out an id twice); one run again hands over what it retrieves then."""
+        all gave a worker a query of nothing (its ACK finds no item: no store hands out
+        an id twice, group_commit.py); one run again hands over what it retrieves then."""
         if for_pool or any(
             ok and self._fast_tracked(request, answer)
             for request, (ok, answer) in zip(batch, answers, strict=True)
         ):
             # A copy of the answers: the loop marks them dispatched when it settles.
-            self.store.before_commit(
-                functools.partial(
-                    self._loop().call_soon_threadsafe,
-                    self._hand_over,
-                    batch,
-                    list(answers),
-                    for_pool,
+            hand_over = functools.partial(self._hand_over, batch, list(answers), for_pool)
+            if self.store.blocking:  # on a lane: the pool is the loop's
+                self.store.before_commit(
+                    functools.partial(self._loop().call_soon_threadsafe, hand_over)
                 )
-            )
+            else:
+                self.store.before_commit(hand_over)
 
     def _attempt_into(
         self, batch: list[_Request], answers: list[tuple[bool, Any]]

@@ -538,37 +538,79 @@ async def test_a_stopping_server_runs_a_lingering_batch_at_once(
         assert added.added
 
 
-async def test_on_sqlite_a_batch_that_fails_to_commit_hands_nothing_to_the_pool(
+def _visible(db: Path, queue_id: int) -> bool:
+    """Whether another connection sees the item: committed."""
+    with contextlib.closing(sqlite3.connect(db)) as other:
+        return other.execute("SELECT 1 FROM items WHERE id = ?", (queue_id,)).fetchone() is not None
+
+
+async def test_on_sqlite_a_fast_tracked_query_goes_to_its_worker_before_its_batch_commits(
     workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A failed COMMIT takes back the ids its batch gave (SQLite's AUTOINCREMENT counter is
-    in the transaction): the next item gets the same id. So the fast track's item goes to
-    the pool only once its batch committed: the caller hears of the failure, no worker
-    ran it, and the next item, under its id, runs its own query and answers."""
+    """The item ADD_AND_RETRIEVE retrieved goes to the pool as the batch's COMMIT starts
+    (`before_commit`), so the worker starts while SQLite writes its WAL: handed over once,
+    before another connection can see it, and the query answers."""
+    from queryqueue import SqliteQueueStore
+    from tests.pool_util import pool_server
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    db = tmp_path / "q.db"
+    handed: list[tuple[int, bool]] = []
+    async with pool_server(SqliteQueueStore(db), workdir) as (_, pool, queue):
+        submit = pool.submit
+
+        def submitting(prefix: str, retrieved: Any) -> None:
+            handed.append((retrieved.queue_id, _visible(db, retrieved.queue_id)))
+            submit(prefix, retrieved)
+
+        monkeypatch.setattr(pool, "submit", submitting)
+        answer = await queue.execute_in_queue(
+            "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
+        )
+    assert answer["key"] == "urgent"
+    assert len(handed) == 1 and handed[0][1] is False, handed
+
+
+async def test_on_sqlite_a_batch_that_fails_to_commit_after_its_hand_off_leaves_nothing(
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast track's item went to the worker as the batch's COMMIT started, and the
+    COMMIT failed: the caller hears of it, the worker ran a query of nothing (its ACK found
+    no item), and nothing is left queued, active or held. The failed batch's id is never
+    given again (driver_sqlite/ids.py): the next item takes another, runs its own query
+    and answers (under the same id, its ACK could have been the phantom's)."""
     from queryqueue import SqliteQueueStore
     from tests.pool_util import pool_server
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     store = SqliteQueueStore(tmp_path / "q.db")
     commit, failed = store._commit, list[int]()
+    handed: list[int] = []
 
-    def fails_once_with_an_insert() -> None:
-        if store._counts.deltas and not failed:
+    def fails_after_a_hand_off() -> None:
+        if handed and not failed:
             failed.append(1)
             raise sqlite3.OperationalError("disk I/O error")
         commit()
 
     async with pool_server(store, workdir) as (_, pool, queue):
-        await queue.driver.call("ping")
-        monkeypatch.setattr(store, "_commit", fails_once_with_an_insert)
+        submit = pool.submit
+
+        def submitting(prefix: str, retrieved: Any) -> None:
+            handed.append(retrieved.queue_id)
+            submit(prefix, retrieved)
+
+        monkeypatch.setattr(pool, "submit", submitting)
+        monkeypatch.setattr(store, "_commit", fails_after_a_hand_off)
         with pytest.raises(QueueError):
             await queue.execute_in_queue("sql", "lost", {"key": "lost", "seconds": 0}, priority=10)
-        assert failed == [1]
-        assert pool.describe()["handed_off"] == 0
+        assert failed == [1] and len(handed) == 1
+        await wait_until(lambda: not pool.running() and not pool.describe()["backlog"])
+        assert store.pending(queue.prefix) == [] and store.active(queue.prefix) == []
         answer = await queue.execute_in_queue(
             "sql", "next", {"key": "next", "seconds": 0}, priority=10
         )
         assert answer["key"] == "next"
-        assert store.pending(queue.prefix) == [] and store.active(queue.prefix) == []
+    assert len(handed) == 2 and handed[1] > handed[0], handed
     starts = [t[1] for t in read_trace(workdir) if t[0] == "start"]
-    assert starts == ["next"], starts
+    assert starts == ["lost", "next"], starts

@@ -872,7 +872,7 @@ async def test_before_commit_runs_once_after_the_batchs_commands_before_its_wait
     """`before_commit` inside a batch: once, after the batch's commands ran and before it
     committed (its waiters are not woken yet); outside a batch, or in a batch that fails,
     never. One that raises is logged, and the batch commits. A store that does not call
-    it (in memory; SQLite, whose failed batch takes its ids back) drops it."""
+    it (in memory: it has no COMMIT) drops it."""
     commits = type(store).before_commit is not QueueStore.before_commit
     qid = store.add(path("a"), payload()).id
     found, waiter = store.result_blocking_start(qid, 10_000)
