@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,7 +204,10 @@ def project() -> Iterator[Project]:
         yield Project(root, socket_path, process, log)
     finally:
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
+        code = process.wait(timeout=30)
+        output = log.read_text()[-3000:]
+        shutil.rmtree(root, ignore_errors=True)
+        assert code == 0, output
 
 
 def test_the_app_resolves_from_the_working_directory_and_run_sync_uses_the_pool(

@@ -9,6 +9,7 @@ import dataclasses
 import datetime as dt
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,15 +328,18 @@ APP = "tests.apps.results_app:app"
 @pytest.fixture(scope="module")
 def pool() -> Iterator[SupervisorProcess]:
     directory = socket_dir()
-    os.environ["POOL_TRACE"] = str(directory / "trace")
-    process = start_supervisor(
-        directory / "queue.db", directory / "s.sock", "--app", APP, "--workers", "2"
-    )
-    prefix = name_prefix(process.socket_path)
-    try:
-        yield process
-    finally:
-        assert process.stop() == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("POOL_TRACE", str(directory / "trace"))
+        process = start_supervisor(
+            directory / "queue.db", directory / "s.sock", "--app", APP, "--workers", "2"
+        )
+        prefix = name_prefix(process.socket_path)
+        try:
+            yield process
+        finally:
+            code = process.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+            assert code == 0
     assert list(SHM_DIR.glob(prefix + "*")) == [], "a stopped supervisor leaves no segment"
 
 
