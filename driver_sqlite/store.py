@@ -51,6 +51,13 @@ from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
 
 Synchronous = Literal["NORMAL", "FULL"]
+
+# Formatted once, not per insert; the id named (ids.py) or, past a block, AUTOINCREMENT's.
+_VALUES = ", ".join("?" * len(INSERTED_COLUMNS.split(", ")))
+_INSERT_ITEM_WITH_ID = f"INSERT INTO items (id, {INSERTED_COLUMNS}) VALUES (?, {_VALUES})"
+_INSERT_ITEM_RETURNING_ID = (
+    f"INSERT INTO items ({INSERTED_COLUMNS}) VALUES ({_VALUES}) RETURNING id"
+)
 T = TypeVar("T")
 
 
@@ -172,20 +179,12 @@ class SqliteTransaction:
         self._write()
         id = self._ids.take()
         if id is None:  # a transaction of more items than a block has left (ids.py)
-            row = self._one(
-                f"INSERT INTO items ({INSERTED_COLUMNS})"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                inserted_values(item),
-            )
+            row = self._one(_INSERT_ITEM_RETURNING_ID, inserted_values(item))
             assert row is not None
             id = int(row[0])
             self._ids.used(id)
         else:
-            self._c.execute(
-                f"INSERT INTO items (id, {INSERTED_COLUMNS})"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (id, *inserted_values(item)),
-            )
+            self._c.execute(_INSERT_ITEM_WITH_ID, (id, *inserted_values(item)))
         if item.status == "pending":
             self._count(item.prefix, 1, 0)
         else:

@@ -24,6 +24,7 @@ from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
 from tests.recording import record_calls
+from tests.sqlite_util import committed
 from tests.trace import read_trace
 from tests.waiting import wait_until
 
@@ -538,12 +539,6 @@ async def test_a_stopping_server_runs_a_lingering_batch_at_once(
         assert added.added
 
 
-def _visible(db: Path, queue_id: int) -> bool:
-    """Whether another connection sees the item: committed."""
-    with contextlib.closing(sqlite3.connect(db)) as other:
-        return other.execute("SELECT 1 FROM items WHERE id = ?", (queue_id,)).fetchone() is not None
-
-
 async def test_on_sqlite_a_fast_tracked_query_goes_to_its_worker_before_its_batch_commits(
     workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -560,7 +555,7 @@ async def test_on_sqlite_a_fast_tracked_query_goes_to_its_worker_before_its_batc
         submit = pool.submit
 
         def submitting(prefix: str, retrieved: Any) -> None:
-            handed.append((retrieved.queue_id, _visible(db, retrieved.queue_id)))
+            handed.append((retrieved.queue_id, committed(db, retrieved.queue_id)))
             submit(prefix, retrieved)
 
         monkeypatch.setattr(pool, "submit", submitting)

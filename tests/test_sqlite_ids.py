@@ -3,7 +3,6 @@ hand-offs leave before its COMMIT, so no id may be given twice, whatever becomes
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sqlite3
 import subprocess
@@ -16,17 +15,13 @@ import pytest
 from queryqueue import SqliteQueueStore
 from queryqueue.driver_sqlite.ids import IdBlock
 from queryqueue.engine.errors import StoreError
+from tests.sqlite_util import committed
 
 P = "p"
 
 
-def _visible(db: Path, queue_id: int) -> bool:
-    with contextlib.closing(sqlite3.connect(db)) as other:
-        return other.execute("SELECT 1 FROM items WHERE id = ?", (queue_id,)).fetchone() is not None
-
-
 def _seen(seen: list[tuple[int, bool]], db: Path, queue_id: int) -> None:
-    seen.append((queue_id, _visible(db, queue_id)))
+    seen.append((queue_id, committed(db, queue_id)))
 
 
 def test_a_batch_whose_commit_fails_after_its_hand_off_gives_none_of_its_ids_again(
@@ -53,7 +48,7 @@ def test_a_batch_whose_commit_fails_after_its_hand_off_gives_none_of_its_ids_aga
 
         with pytest.raises(StoreError, match="disk I/O error"):
             store.batched(work, lambda _: None)
-        assert len(handed) == 1 and not _visible(db, handed[0])
+        assert len(handed) == 1 and not committed(db, handed[0])
         again = store.add(f"{P}:next", "{}").id
         assert again is not None and again > handed[0]
     finally:
@@ -114,7 +109,7 @@ def test_a_store_killed_in_the_middle_of_a_batch_leaves_its_ids_to_no_one(
     lost = int(out.split()[0])
     store = SqliteQueueStore(db)
     try:
-        assert not _visible(db, lost)
+        assert not committed(db, lost)
         assert [row.id for row in store.pending(P)] == ["committed"]
         later = store.add(f"{P}:later", "{}").id
         assert later is not None and later > lost
@@ -164,7 +159,7 @@ def test_a_batch_of_more_items_than_its_block_has_left_hands_off_once_it_committ
         def one() -> int | None:
             id = store.add(f"{P}:after", "{}").id
             assert id is not None
-            store.before_commit(lambda: seen.append((id, _visible(db, id))))
+            store.before_commit(lambda: seen.append((id, committed(db, id))))
             return id
 
         after = store.batched(one, lambda _: None)
