@@ -174,6 +174,11 @@ class _Connection:
     # A store that syncs in the background: frames wait for their commit (synced.py).
     gate: SyncGate | None = None
     unsynced: deque[tuple[int, bytes]] = field(default_factory=deque)
+    # Where a connection with answers to write is queued for the loop iteration's one
+    # write pass (`QueueServer._flush_soon`); alone (None), it schedules its own flush.
+    flush_soon: Callable[[_Connection], None] | None = None
+    # A pool worker's (its ACKs are pool steps): written after the callers' in a pass.
+    worker: bool = False
 
     @property
     def transport(self) -> asyncio.Transport:
@@ -211,7 +216,10 @@ class _Connection:
                 gate.hold(self, commit)
                 return
         if not self.outbox:
-            self.loop.call_soon(self.flush)
+            if self.flush_soon is None:
+                self.loop.call_soon(self.flush)
+            else:
+                self.flush_soon(self)
         self.outbox.append(frame)
 
     def release_synced(self, commit: int | None) -> None:
@@ -273,7 +281,11 @@ class _Client:
     def opened(self, reader: FrameReader) -> None:
         server = self.server
         self.connection = _Connection(
-            reader, server.limits, authenticated=self.authenticated, gate=server._gate
+            reader,
+            server.limits,
+            authenticated=self.authenticated,
+            gate=server._gate,
+            flush_soon=server._flush_soon,
         )
         server._connections.add(self.connection)
 
@@ -543,6 +555,7 @@ class QueueServer:
         self.linger = Linger()
         self._lingering: dict[str, tuple[asyncio.Future[None], set[Any]]] = {}
         self._connections: set[_Connection] = set()
+        self._to_flush: list[_Connection] = []  # `_flush_soon`'s, this loop iteration's
         self._handlers: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._shapes: dict[str, _Shape] = {}
@@ -810,6 +823,27 @@ class QueueServer:
             and self.pool is not None
             and route_of(tuple(request.args)) == self.pool.prefix
         )
+
+    def _flush_soon(self, connection: _Connection) -> None:
+        """Write `connection`'s answers in this loop iteration's pass. One pass, not a
+        callback per connection: the long polls an ACK woke (their futures' callbacks,
+        queued ahead of the pass by the same turn) are written in it, not an iteration
+        later, and before their worker's ACK answer."""
+        if not self._to_flush:
+            self._loop().call_soon(self._flush_all)
+        self._to_flush.append(connection)
+
+    def _flush_all(self) -> None:
+        connections, self._to_flush = self._to_flush, []
+        # Callers first: an answer ends a caller's wait; a worker's ACK answer only lets it
+        # wait for a hand-off, which, if there is one, left already (and each write
+        # that wakes a process costs the loop tens of microseconds).
+        for connection in connections:
+            if not connection.worker:
+                connection.flush()
+        for connection in connections:
+            if connection.worker:
+                connection.flush()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         # Kept since start: on 3.11 each get_running_loop() is a getpid() system call.
@@ -1277,6 +1311,8 @@ class QueueServer:
                 continue
             if request.method == "ack":
                 request.pool_step = self.pool.acked(request.args[0])
+                if request.pool_step:
+                    request.connection.worker = True
             elif gated and request.method in _POOL_STEPS:
                 request.pool_step = self.pool.job(request.args[0]) is not None
 

@@ -609,3 +609,54 @@ async def test_on_sqlite_a_batch_that_fails_to_commit_after_its_hand_off_leaves_
     assert len(handed) == 2 and handed[1] > handed[0], handed
     starts = [t[1] for t in read_trace(workdir) if t[0] == "start"]
     assert starts == ["lost", "next"], starts
+
+
+async def test_an_acks_woken_long_poll_is_written_before_its_workers_ack_answer(
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answers of a loop iteration leave in one write pass, callers' first: the long
+    poll an ACK woke (its waiter's callback runs an iteration after the ACK's batch) is
+    written in the same pass as the worker's ACK answer, ahead of it, not an iteration
+    behind it (each write that wakes a process costs the loop tens of microseconds)."""
+    from queryqueue import SqliteQueueStore
+    from tests.pool_util import pool_server
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    unwritten: dict[int, list[str]] = {}  # id(connection) -> methods answered, not written
+    written: list[tuple[str, int]] = []  # (method, loop iteration), in the order written
+    iteration, counting = [0], [True]
+    answer, flush = QueueServer._answer, server_module._Connection.flush
+
+    def answering(server: QueueServer, request: Any, *args: Any, **options: Any) -> None:
+        unwritten.setdefault(id(request.connection), []).append(request.method)
+        answer(server, request, *args, **options)
+
+    def flushing(connection: Any) -> None:
+        if connection.outbox:
+            written.extend((m, iteration[0]) for m in unwritten.pop(id(connection), []))
+        flush(connection)
+
+    monkeypatch.setattr(QueueServer, "_answer", answering)
+    monkeypatch.setattr(server_module._Connection, "flush", flushing)
+    loop = asyncio.get_running_loop()
+
+    def count_iterations() -> None:
+        iteration[0] += 1
+        if counting[0]:
+            loop.call_soon(count_iterations)
+
+    async with pool_server(SqliteQueueStore(tmp_path / "q.db"), workdir) as (_, _pool, queue):
+        loop.call_soon(count_iterations)
+        try:
+            for key in ("first", "second", "third"):
+                del written[:]
+                value = await queue.execute_in_queue(
+                    "sql", key, {"key": key, "seconds": 0}, priority=10
+                )
+                assert value["key"] == key
+                await wait_until(lambda: any(m == "ack" for m, _ in written), what=str(written))
+                ends = [(m, i) for m, i in written if m in ("result_blocking", "ack")]
+                assert [m for m, _ in ends] == ["result_blocking", "ack"], written
+                assert ends[0][1] == ends[1][1], written  # in one pass
+        finally:
+            counting[0] = False
