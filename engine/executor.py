@@ -12,7 +12,7 @@ import functools
 import inspect
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,16 +75,22 @@ class Executor:
         self._handler_threads = 0
         self._threads = HandlerThreads()
 
-    async def execute_query(self, retrieved: RetrievedQuery) -> bool:
+    async def execute_query(
+        self, retrieved: RetrievedQuery, *, acknowledging: Callable[[], None] | None = None
+    ) -> bool:
         """Run a retrieved item to its ACK, then reconcile. Errors are logged, never raised;
         False when the outcome could not be reported (the store unreachable through every
-        retry): whoever handed it here should give the item back."""
+        retry): whoever handed it here should give the item back. `acknowledging` is
+        called once the outcome is known and its ACK goes out (before its answer): a
+        caller running one query at a time may start its next then."""
         query_key_hash, queue_id = retrieved.query_key_hash, retrieved.queue_id
         context = self._execution_context(retrieved)
         execution = _Execution(retrieved)
         self.executions[queue_id] = execution
         try:
             result = await self._outcome(execution, context)
+            if acknowledging is not None:
+                acknowledging()
             if not await self._acknowledge(query_key_hash, queue_id, result, context):
                 self.queue.events.emit(
                     ev.ORPHANED_RESULT,

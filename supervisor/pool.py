@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -93,6 +94,9 @@ class _Worker:
     next: _Job | None = None
     # The query it ended last (its ACK committed): what the ACK's metrics describe.
     finished: _Job | None = None
+    # Its query whose ACK is in a batch now committing (`WorkerPool.acking`): over for the
+    # worker, which may run its next meanwhile; ended once the ACK is answered.
+    acking: _Job | None = None
     executed: int = 0
     watchers: list[int] = field(default_factory=list)
     retiring: bool = False  # asked to exit after max_tasks_per_worker
@@ -215,6 +219,11 @@ class WorkerPool:
         """Items handed to this pool and not finished: waiting or running."""
         running = sum((w.job is not None) + (w.next is not None) for w in self._workers)
         return len(self._backlog) + running
+
+    @property
+    def backlog(self) -> int:
+        """Items handed to this pool that no worker has been sent yet."""
+        return len(self._backlog)
 
     @property
     def full(self) -> bool:
@@ -405,11 +414,9 @@ class WorkerPool:
         if held is not None:
             return held
         for worker in self._workers:
-            if worker.finished is not None and key in (
-                worker.finished.queue_id,
-                worker.finished.path,
-            ):
-                return worker.finished
+            for ended in (worker.acking, worker.finished):
+                if ended is not None and key in (ended.queue_id, ended.path):
+                    return ended
         return None
 
     def holds(self, queue_id: QueueId) -> bool:
@@ -446,25 +453,54 @@ class WorkerPool:
         worker = next((w for w in self._workers if job is w.job), None)
         return worker is None or worker.process.is_alive()
 
+    def acking(self, queue_id: QueueId) -> None:
+        """The ACK of a worker's query is in a batch whose COMMIT starts now: the worker
+        runs its next without waiting for that ACK's answer (`_worker_loop`), so it is sent
+        it now, while the COMMIT makes its round trip, not once the batch is answered.
+        Not a worker that may still run a thread of that query (its DRAINING comes once
+        the ACK is answered), nor one due to retire after it."""
+        limit = self.max_tasks_per_worker
+        for worker in self._workers:
+            job = worker.job
+            if job is None or job.queue_id != queue_id:
+                continue
+            if worker.next is not None or worker.draining_since is not None or worker.retiring:
+                return
+            if job.timed_out or (limit and worker.executed + 1 >= limit):
+                return
+            worker.job, worker.acking = None, job
+            self._assign()
+            return
+
     def acked(self, key: QueueKey) -> bool:
         """An ACK by `key` was answered: the ACK is the last a worker does for a query,
-        so the worker whose query that is is free now, and is sent its next at once. It
-        says nothing more unless a handler thread of it still runs (`_DRAINING`). True:
-        it was a worker's query."""
+        so the worker whose query that is is free now, and is sent its next at once (or
+        was, as the ACK's batch committed: `acking`). It says nothing more unless a
+        handler thread of it still runs (`_DRAINING`). True: it was a worker's query."""
         for worker in self._workers:
+            acking = worker.acking
+            if acking is not None and key in (acking.queue_id, acking.path):
+                worker.acking = None
+                self._ended(worker, acking)
+                if self._due_to_retire(worker, quiet=False, done=0):
+                    self._retire(worker)
+                self._assign()
+                return True
             if worker.job is not None and key in (worker.job.queue_id, worker.job.path):
                 self._finished(worker)
                 return True
         return False
 
     def _finished(self, worker: _Worker) -> None:
-        job = worker.job
+        self._ended(worker, worker.job)
+        self._start_next(worker)
+        self._assign()
+
+    def _ended(self, worker: _Worker, job: _Job | None) -> None:
         if job is not None:
             self._deaths.pop(job.path, None)  # it ran to its end
             worker.finished = job
         worker.executed += 1
-        self._start_next(worker)
-        self._assign()
 
     def _start_next(self, worker: _Worker) -> None:
         """The worker's query is over: what was sent it meanwhile (`next`) is its job now,
@@ -526,6 +562,14 @@ class WorkerPool:
             worker.watchers = [worker.process.sentinel]
             return
         kind, queue_id = _parse_report(message)
+        acking = worker.acking
+        if kind == _LOST and acking is not None and acking.queue_id == queue_id:
+            # Its ACK, sent as its next query started, was not stored through every retry.
+            worker.acking = None
+            task = asyncio.ensure_future(self._give_back(acking))
+            self._cancelling.add(task)
+            task.add_done_callback(self._cancelling.discard)
+            return
         job = worker.job
         ours = job is not None and job.queue_id == queue_id
         if kind == _DRAINING:
@@ -583,6 +627,13 @@ class WorkerPool:
             worker.conn.close()
         if worker.job is not None:  # an acknowledged one is no longer its job
             self._reclaim(worker.job, worker.process.exitcode)
+        if worker.acking is not None:
+            # It ran to its end; stored, unless the ACK's batch failed to commit and the
+            # worker died before its retry: then its waiters ask again (nothing to take
+            # back once it was stored, and no death counted against it).
+            task = asyncio.ensure_future(self._give_back(worker.acking))
+            self._cancelling.add(task)
+            task.add_done_callback(self._cancelling.discard)
         if worker.next is not None:  # never started: back to the queue, run again
             task = asyncio.ensure_future(self._give_back(worker.next))
             self._cancelling.add(task)
@@ -806,6 +857,34 @@ def _shown_key(query_key: Any) -> str:
         return repr(query_key)[:200]
 
 
+async def _run_to_its_ack(queue: QueryQueue, retrieved: RetrievedQuery) -> asyncio.Future[bool]:
+    """Run `retrieved` until its ACK goes out; the future of `execute_query` (True once
+    the ACK is answered) is returned then, running on."""
+    sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def acknowledging(*_: object) -> None:
+        if not sent.done():
+            sent.set_result(None)
+
+    running = asyncio.ensure_future(
+        queue.executor.execute_query(retrieved, acknowledging=acknowledging)
+    )
+    running.add_done_callback(acknowledging)  # it ended before an ACK (never raises)
+    await sent
+    return running
+
+
+def _reported(
+    conn: Any, queue_id: QueueId, acks: set[asyncio.Future[bool]], running: asyncio.Future[bool]
+) -> None:
+    """A query the worker went on from: its ACK answered, or lost (the supervisor gives
+    it back)."""
+    acks.discard(running)
+    if not running.cancelled() and not running.result():
+        with contextlib.suppress(OSError, ValueError):
+            conn.send_bytes(_report(_LOST, queue_id))
+
+
 def _die_with_parent() -> None:
     """PR_SET_PDEATHSIG: the kernel sends SIGTERM when the supervisor dies, whatever
     happens to the pipe (Linux only; elsewhere the pipe's EOF alone tells)."""
@@ -820,7 +899,10 @@ def _die_with_parent() -> None:
 async def _worker_loop(
     app_ref: str, socket_path: str, conn: Any, shm_threshold: int | None, supervisor: int
 ) -> None:
-    """Run what the supervisor hands over, one query at a time.
+    """Run what the supervisor hands over, one query at a time: the next starts once the
+    last one's ACK has gone out, not once it is answered (the supervisor sends the next as
+    that ACK's batch commits, `WorkerPool.acking`); a query whose ACK is then not stored
+    through every retry is reported lost, later.
 
     When the supervisor dies (the pipe's EOF, or SIGTERM from PR_SET_PDEATHSIG) the worker
     takes no more work and finishes the query in hand: its ACK goes to a supervisor that is
@@ -838,6 +920,7 @@ async def _worker_loop(
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue[bytes] = asyncio.Queue()
     unstarted_cancels: set[int] = set()
+    acks: set[asyncio.Future[bool]] = set()  # queries over but for their ACK's answer
 
     def gone() -> None:
         # Read once: an fd at EOF stays readable, and a reader left on it spins the loop.
@@ -873,8 +956,13 @@ async def _worker_loop(
                 unstarted_cancels.discard(queue_id)
                 conn.send_bytes(_report(_DONE, queue_id))
                 continue
+            running = await _run_to_its_ack(queue, retrieved)
+            if not running.done() and not queue.handler_threads:
+                acks.add(running)
+                running.add_done_callback(functools.partial(_reported, conn, queue_id, acks))
+                continue
             # True: its ACK was answered, which told the supervisor this query is over.
-            reported = await queue.execute_query(retrieved)
+            reported = await running
             with contextlib.suppress(OSError, ValueError):
                 if queue.handler_threads:
                     # A cancelled or timed-out sync handler is still running: take no more
@@ -889,5 +977,7 @@ async def _worker_loop(
         with contextlib.suppress(ValueError, OSError):
             loop.remove_reader(conn.fileno())
         loop.remove_signal_handler(signal.SIGTERM)
+        if acks:  # their answers (or their retries' end) before the connection closes
+            await asyncio.gather(*acks, return_exceptions=True)
         await queue.close(grace=0)
         await driver.close()

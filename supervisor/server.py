@@ -36,7 +36,7 @@ from queryqueue.engine.errors import (
     StoreError,
 )
 from queryqueue.engine.lanes import route_of
-from queryqueue.engine.responses import AddAndRetrieveResponse
+from queryqueue.engine.responses import AddAndRetrieveResponse, QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_process_id
@@ -1407,18 +1407,54 @@ class QueueServer:
         `_settle` then hands over only what was not. A batch that does not commit after
         all gave a worker a query of nothing (its ACK finds no item: no store hands out
         an id twice, group_commit.py); one run again hands over what it retrieves then."""
-        if for_pool or any(
-            ok and self._fast_tracked(request, answer)
-            for request, (ok, answer) in zip(batch, answers, strict=True)
+        acks = self._pool_acks(batch, answers)
+        if (
+            for_pool
+            or (acks and self.pool is not None and self.pool.backlog)
+            or any(
+                ok and self._fast_tracked(request, answer)
+                for request, (ok, answer) in zip(batch, answers, strict=True)
+            )
         ):
             # A copy of the answers: the loop marks them dispatched when it settles.
-            hand_over = functools.partial(self._hand_over, batch, list(answers), for_pool)
+            hand_over = functools.partial(
+                self._hand_over_committing, batch, list(answers), for_pool, acks
+            )
             if self.store.blocking:  # on a lane: the pool is the loop's
                 self.store.before_commit(
                     functools.partial(self._loop().call_soon_threadsafe, hand_over)
                 )
             else:
                 self.store.before_commit(hand_over)
+
+    def _pool_acks(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> list[QueueId]:
+        """The queue ids of the batch's answered ACKs of items the pool holds."""
+        pool = self.pool
+        if pool is None:
+            return []
+        return [
+            request.args[0]
+            for request, (ok, _) in zip(batch, answers, strict=True)
+            if ok
+            and request.method == "ack"
+            and type(request.args[0]) is int
+            and pool.holds(request.args[0])
+        ]
+
+    def _hand_over_committing(
+        self,
+        batch: list[_Request],
+        answers: list[tuple[bool, Any]],
+        for_pool: list[RetrievedQuery] | None,
+        acks: list[QueueId],
+    ) -> None:
+        """`_hand_over` as the batch's COMMIT starts, where the workers whose ACKs it
+        carries take their next at once (`WorkerPool.acking`): they start it while the
+        COMMIT is made, not once their ACK is answered."""
+        if self.pool is not None:
+            for queue_id in acks:
+                self.pool.acking(queue_id)
+        self._hand_over(batch, answers, for_pool)
 
     def _attempt_into(
         self, batch: list[_Request], answers: list[tuple[bool, Any]]

@@ -660,3 +660,50 @@ async def test_an_acks_woken_long_poll_is_written_before_its_workers_ack_answer(
                 assert ends[0][1] == ends[1][1], written  # in one pass
         finally:
             counting[0] = False
+
+
+async def test_a_worker_starts_its_next_query_before_its_last_acks_answer(
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next query goes to a worker as the batch with its last ACK starts to commit,
+    and the worker starts it at once: here that ACK's answer is held back until the next
+    query has started (a worker that waited for it would never start it), then sent, and
+    both queries answer, each run once, by the one worker, one at a time."""
+    from queryqueue import SqliteQueueStore
+    from tests.pool_util import pool_server
+    from tests.trace import max_overlap
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    held: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    answer = QueueServer._answer
+
+    def holding_the_first_ack(server: QueueServer, request: Any, *args: Any, **kw: Any) -> None:
+        if request.method == "ack" and not held:
+            held.append((request, args, kw))
+            return
+        answer(server, request, *args, **kw)
+
+    def started() -> list[str]:
+        return [t[1] for t in read_trace(workdir) if t[0] == "start"]
+
+    monkeypatch.setattr(QueueServer, "_answer", holding_the_first_ack)
+    async with pool_server(SqliteQueueStore(tmp_path / "q.db"), workdir, workers=1) as (
+        server,
+        pool,
+        queue,
+    ):
+        runs = [
+            asyncio.ensure_future(queue.execute_in_queue("sql", key, {"key": key, "seconds": 0.01}))
+            for key in ("a", "b")
+        ]
+        await wait_until(lambda: held, what="the first ACK")
+        await wait_until(lambda: len(started()) == 2, what=f"the next start: {started()}")
+        request, args, kw = held[0]
+        answer(server, request, *args, **kw)
+        values = await asyncio.gather(*runs)
+        assert sorted(v["key"] for v in values) == ["a", "b"]
+        assert len({v["pid"] for v in values}) == 1
+        await wait_until(lambda: not pool.running() and pool.held == 0)
+    trace = read_trace(workdir)
+    assert sorted(started()) == ["a", "b"], trace
+    assert max_overlap(trace) == 1, trace

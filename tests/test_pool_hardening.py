@@ -422,3 +422,95 @@ async def test_a_live_workers_query_is_not_reaped_while_its_heartbeats_cannot_la
             await asyncio.wait_for(ask, 30)
         assert len(_starts(workdir, "late")) == 1
         assert pool.reclaimed == []
+
+
+class _Process:
+    pid, exitcode, sentinel = 999_999, -9, -1
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class _Pipe:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.reports: list[bytes] = []
+
+    def send_bytes(self, blob: bytes) -> None:
+        self.sent.append(blob)
+
+    def recv_bytes(self) -> bytes:
+        return self.reports.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_nothing(
+    workdir: Path,
+) -> None:
+    """A worker whose ACK is in a committing batch is sent its next query (`acking`),
+    and the query it ACKed ends only when that ACK is answered. Should the ACK never be
+    stored (the worker reports it lost), or the worker die before that, its item is given
+    back (its waiters ask again) with no death counted against it; the query it died
+    running is reclaimed as any other."""
+    from queryqueue.supervisor import pool as pool_module
+
+    store = MemoryQueueStore()
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
+    ids = {}
+    for key in ("a", "b", "c", "d"):
+        ids[key] = store.add(f"p:{key}", "{}").id
+        retrieved = store.retrieve(f"p:{key}", concurrency=4)
+        assert retrieved is not None and retrieved.id == ids[key]
+
+    def job(key: str) -> Any:
+        return pool_module._Job(ids[key], f"p:{key}", key.encode())
+
+    def outcome(key: str) -> Any:
+        answer = store.result(ids[key])
+        return None if answer is None or answer.payload is None else orjson.loads(answer.payload)
+
+    def queued() -> set[str]:
+        return {key for key, queue_id in ids.items() if store.get(queue_id) is not None}
+
+    pipe = _Pipe()
+    worker = pool_module._Worker(_Process(), pipe)
+
+    def holds() -> tuple[str | None, str | None, str | None]:
+        """What the worker runs, whose ACK is committing, what it ended last."""
+        return tuple(  # type: ignore[return-value]
+            None if j is None else j.path[2:] for j in (worker.job, worker.acking, worker.finished)
+        )
+
+    pool._workers.append(worker)
+    pool._backlog.extend([job("a"), job("b")])
+    pool._assign()
+    assert holds() == ("a", None, None) and pipe.sent == [b"a"]
+
+    pool.acking(ids["a"])  # its ACK's batch commits: the next goes now
+    assert holds() == ("b", "a", None) and pipe.sent == [b"a", b"b"]
+    assert store.ack(ids["a"], '"A"').success
+    assert pool.acked(ids["a"])
+    assert holds() == ("b", None, "a") and worker.executed == 1
+
+    pool.acking(ids["b"])  # nothing waits: the worker is idle, b's ACK not answered yet
+    assert holds() == (None, "b", "a")
+    pipe.reports.append(pool_module._report(pool_module._LOST, ids["b"]))
+    pool._on_message(worker)  # b's ACK was not stored through every retry
+    await wait_until(lambda: queued() == {"c", "d"})
+    assert outcome("b")["retry"] is True and holds() == (None, None, "a")
+
+    pool._backlog.extend([job("c"), job("d")])
+    pool._assign()
+    pool.acking(ids["c"])
+    assert holds() == ("d", "c", "a")
+    pool._stopping = True  # no replacement spawned here
+    pool._on_exit(worker)  # died running d, c's ACK not stored
+    await wait_until(lambda: not queued())
+    assert outcome("c")["retry"] is True and outcome("d")["retry"] is True
+    assert pool.reclaimed == [ids["d"]]
+    assert dict(pool._deaths) == {"p:d": 1}
