@@ -464,7 +464,12 @@ class WorkerPool:
             job = worker.job
             if job is None or job.queue_id != queue_id:
                 continue
-            if worker.next is not None or worker.draining_since is not None or worker.retiring:
+            if (
+                worker.next is not None
+                or worker.acking is not None
+                or worker.draining_since is not None
+                or worker.retiring
+            ):
                 return
             if job.timed_out or (limit and worker.executed + 1 >= limit):
                 return
