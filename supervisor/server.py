@@ -321,6 +321,16 @@ class _Client:
             self.server._lost(self.connection)
 
 
+def _acked_ids(batch: list[_Request], answers: list[tuple[bool, Any]]) -> list[QueueId]:
+    """The queue ids of a batch's answered ACKs (read on a lane too: nothing of the
+    pool's, which is the loop's)."""
+    return [
+        request.args[0]
+        for request, (ok, _) in zip(batch, answers, strict=True)
+        if ok and request.method == "ack" and type(request.args[0]) is int
+    ]
+
+
 def _frame_of(message: dict[str, Any]) -> bytes:
     try:
         return encode_frame(message)
@@ -1407,7 +1417,7 @@ class QueueServer:
         `_settle` then hands over only what was not. A batch that does not commit after
         all gave a worker a query of nothing (its ACK finds no item: no store hands out
         an id twice, group_commit.py); one run again hands over what it retrieves then."""
-        acks = self._pool_acks(batch, answers)
+        acks = _acked_ids(batch, answers)
         if (
             for_pool
             or (acks and self.pool is not None and self.pool.backlog)
@@ -1427,20 +1437,6 @@ class QueueServer:
             else:
                 self.store.before_commit(hand_over)
 
-    def _pool_acks(self, batch: list[_Request], answers: list[tuple[bool, Any]]) -> list[QueueId]:
-        """The queue ids of the batch's answered ACKs of items the pool holds."""
-        pool = self.pool
-        if pool is None:
-            return []
-        return [
-            request.args[0]
-            for request, (ok, _) in zip(batch, answers, strict=True)
-            if ok
-            and request.method == "ack"
-            and type(request.args[0]) is int
-            and pool.holds(request.args[0])
-        ]
-
     def _hand_over_committing(
         self,
         batch: list[_Request],
@@ -1449,8 +1445,8 @@ class QueueServer:
         acks: list[QueueId],
     ) -> None:
         """`_hand_over` as the batch's COMMIT starts, where the workers whose ACKs it
-        carries take their next at once (`WorkerPool.acking`): they start it while the
-        COMMIT is made, not once their ACK is answered."""
+        carries take their next at once (`WorkerPool.acking`, here on the loop): they start
+        it while the COMMIT is made, not once their ACK is answered."""
         if self.pool is not None:
             for queue_id in acks:
                 self.pool.acking(queue_id)
