@@ -707,3 +707,36 @@ async def test_a_worker_starts_its_next_query_before_its_last_acks_answer(
     trace = read_trace(workdir)
     assert sorted(started()) == ["a", "b"], trace
     assert max_overlap(trace) == 1, trace
+
+
+async def test_on_postgresql_the_pool_is_touched_only_on_the_loops_thread(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch runs on a lane (a thread of the store's) and hands its pool what it
+    retrieved and the workers whose ACKs it carries (`WorkerPool.acking`) through the
+    loop: the pool, the loop's, is never read or changed from a lane, where its backlog
+    may be changing under the reader."""
+    import threading
+
+    from tests.pool_util import pool_server
+    from tests.postgres_util import postgres_store
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    threads: set[int] = set()
+    for name in ("_job", "_assign", "acking", "acked", "submit", "holds", "job"):
+        method = getattr(WorkerPool, name)
+
+        def noting(self: WorkerPool, *args: Any, _method: Any = method, **kw: Any) -> Any:
+            threads.add(threading.get_ident())
+            return _method(self, *args, **kw)
+
+        monkeypatch.setattr(WorkerPool, name, noting)
+    async with pool_server(postgres_store(), workdir, workers=2) as (_, _pool, queue):
+        values = await asyncio.gather(
+            *(
+                queue.execute_in_queue("sql", key, {"key": key, "seconds": 0.01})
+                for key in [f"q{i}" for i in range(12)]
+            )
+        )
+    assert sorted(v["key"] for v in values) == sorted(f"q{i}" for i in range(12))
+    assert threads == {threading.get_ident()}
