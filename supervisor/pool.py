@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,7 +242,7 @@ class WorkerPool:
             "spawn_failures": self.spawn_failures,
             "spawn_error": self.spawn_error,
             "workers": [self._describe_worker(w) for w in self._workers],
-            "backlog": len(self._backlog),
+            "backlog": self.backlog,
             "handed_off": self.handed_off,
             "replaced": self.replaced,
             "terminated": self.terminated,
@@ -361,6 +362,12 @@ class WorkerPool:
             return
         self._poked = True
         asyncio.get_running_loop().call_soon(self._reconcile)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """A give-back or take-back, kept until done (and cancelled at stop)."""
+        task = asyncio.ensure_future(work)
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
 
     def _reconcile(self) -> None:
         self._poked = False
@@ -487,8 +494,7 @@ class WorkerPool:
             if acking is not None and key in (acking.queue_id, acking.path):
                 worker.acking = None
                 self._ended(worker, acking)
-                if self._due_to_retire(worker, quiet=False, done=0):
-                    self._retire(worker)
+                self._retire_if_due(worker)  # its next was sent already (`acking`)
                 self._assign()
                 return True
             if worker.job is not None and key in (worker.job.queue_id, worker.job.path):
@@ -513,6 +519,9 @@ class WorkerPool:
         worker.job, worker.next = worker.next, None
         if worker.job is not None:
             worker.job.started_at = asyncio.get_running_loop().time()
+        self._retire_if_due(worker)
+
+    def _retire_if_due(self, worker: _Worker) -> None:
         if self._due_to_retire(worker, quiet=False, done=0):
             self._retire(worker)
 
@@ -571,9 +580,7 @@ class WorkerPool:
         if kind == _LOST and acking is not None and acking.queue_id == queue_id:
             # Its ACK, sent as its next query started, was not stored through every retry.
             worker.acking = None
-            task = asyncio.ensure_future(self._give_back(acking))
-            self._cancelling.add(task)
-            task.add_done_callback(self._cancelling.discard)
+            self._in_background(self._give_back(acking))
             return
         job = worker.job
         ours = job is not None and job.queue_id == queue_id
@@ -587,9 +594,7 @@ class WorkerPool:
             return
         if kind == _LOST and ours:
             assert job is not None
-            task = asyncio.ensure_future(self._give_back(job))
-            self._cancelling.add(task)
-            task.add_done_callback(self._cancelling.discard)
+            self._in_background(self._give_back(job))
         if kind in (_LOST, _DONE):
             if ours:
                 self._finished(worker)
@@ -636,13 +641,9 @@ class WorkerPool:
             # It ran to its end; stored, unless the ACK's batch failed to commit and the
             # worker died before its retry: then its waiters ask again (nothing to take
             # back once it was stored, and no death counted against it).
-            task = asyncio.ensure_future(self._give_back(worker.acking))
-            self._cancelling.add(task)
-            task.add_done_callback(self._cancelling.discard)
+            self._in_background(self._give_back(worker.acking))
         if worker.next is not None:  # never started: back to the queue, run again
-            task = asyncio.ensure_future(self._give_back(worker.next))
-            self._cancelling.add(task)
-            task.add_done_callback(self._cancelling.discard)
+            self._in_background(self._give_back(worker.next))
         if not self._stopping:
             if worker.retiring:
                 self.recycled += 1
@@ -680,9 +681,7 @@ class WorkerPool:
                         f"{exitcode}): not run again"
                     )
                 )
-        task = asyncio.ensure_future(self._take_back(job, outcome))
-        self._cancelling.add(task)
-        task.add_done_callback(self._cancelling.discard)
+        self._in_background(self._take_back(job, outcome))
 
     async def _give_back(self, job: _Job) -> None:
         """Its worker ran it but could not store the outcome (the store was away through

@@ -150,6 +150,9 @@ class Limits:
 @dataclass(eq=False)
 class _Connection:
     reader: FrameReader
+    # Queues a connection with answers to write for its loop iteration's one write pass
+    # (`QueueServer._flush_soon`).
+    flush_soon: Callable[[_Connection], None]
     limits: Limits = field(default_factory=Limits)
     # Unix-socket peers passed the socket's permissions; a TCP peer must send the token.
     authenticated: bool = True
@@ -174,9 +177,6 @@ class _Connection:
     # A store that syncs in the background: frames wait for their commit (synced.py).
     gate: SyncGate | None = None
     unsynced: deque[tuple[int, bytes]] = field(default_factory=deque)
-    # Where a connection with answers to write is queued for the loop iteration's one
-    # write pass (`QueueServer._flush_soon`); alone (None), it schedules its own flush.
-    flush_soon: Callable[[_Connection], None] | None = None
     # A pool worker's (its ACKs are pool steps): written after the callers' in a pass.
     worker: bool = False
 
@@ -216,10 +216,7 @@ class _Connection:
                 gate.hold(self, commit)
                 return
         if not self.outbox:
-            if self.flush_soon is None:
-                self.loop.call_soon(self.flush)
-            else:
-                self.flush_soon(self)
+            self.flush_soon(self)
         self.outbox.append(frame)
 
     def release_synced(self, commit: int | None) -> None:
@@ -282,10 +279,10 @@ class _Client:
         server = self.server
         self.connection = _Connection(
             reader,
+            server._flush_soon,
             server.limits,
             authenticated=self.authenticated,
             gate=server._gate,
-            flush_soon=server._flush_soon,
         )
         server._connections.add(self.connection)
 
@@ -1412,9 +1409,10 @@ class QueueServer:
         """What the batch gives the pool (the fast track's items, its retrieval) goes to
         the workers as its COMMIT leaves, not once it is done (`before_commit`): a query
         runs while the COMMIT makes its round trip to PostgreSQL, or while SQLite writes
-        its WAL. Answers still wait for the commit, and so does the pool's word of the
-        batch's ACKs (a worker that ACKed takes its next query once that ACK is answered);
-        `_settle` then hands over only what was not. A batch that does not commit after
+        its WAL; with it, the workers whose ACKs the batch carries are sent their next
+        (`_hand_over_committing`). Answers still wait for the commit, and so does the
+        pool's word that those ACKs ended their queries (`_note_acks`); `_settle` then
+        hands over only what was not. A batch that does not commit after
         all gave a worker a query of nothing (its ACK finds no item: no store hands out
         an id twice, group_commit.py); one run again hands over what it retrieves then."""
         acks = _acked_ids(batch, answers)
