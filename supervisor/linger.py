@@ -16,6 +16,11 @@ MAX_WAIT_S) bounds what lingering costs the commands already queued; the ACK it 
 for saves a batch it would otherwise wait behind. Workers whose queries take longer than
 that are never waited for.
 
+On SQLite the batches run on the event loop, and the same happens there: an ACK that
+arrives as a turn starts waits out that turn, then takes a transaction of its own, and its
+worker's next query waits for that commit. The loop's turn may wait up to a whole turn
+(`share` 1): while it waits the loop reads sockets, and what arrives joins the turn.
+
 Decide here, act in the server: this module only reads times it is given.
 """
 
@@ -41,6 +46,9 @@ class Linger:
     turnaround: float | None = None
     # Seconds a lane's batch takes, the hop to the lane and back included.
     batch: float | None = None
+    # How much of a batch the next one may wait at most: half on a lane, where the
+    # queued commands wait behind it; a whole one on the loop (SQLite).
+    share: float = 0.5
 
     def acked(self, handed_at: float, now: float) -> None:
         """A worker's ACK arrived for a query handed to it at `handed_at`."""
@@ -59,7 +67,7 @@ class Linger:
         none of `coming` (ACKs already queued), and until when at most."""
         if self.turnaround is None or self.batch is None:
             return set(), now
-        limit = now + min(self.batch / 2, MAX_WAIT_S)
+        limit = now + min(self.batch * self.share, MAX_WAIT_S)
         waits: set[QueueId] = set()
         until = now
         for queue_id, handed_at in running:

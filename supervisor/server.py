@@ -557,10 +557,13 @@ class QueueServer:
         self._lanes_busy: set[asyncio.Task[None]] = set()
         # A prefix whose batch is on its lane: what arrived for it since (`_to_lane`).
         self._lane_queued: dict[str, list[_Request]] = {}
-        # The pool prefix's lane: how long its batches and its workers' ACKs take, and
-        # the ACKs its next batch waits for, if it does (linger.py).
-        self.linger = Linger()
+        # The pool prefix's batches (on its lane, or the loop's turns for a store on the
+        # loop): how long they and its workers' ACKs take, and the ACKs its next batch
+        # waits for, if it does (linger.py).
+        self.linger = Linger(share=0.5 if store.blocking else 1.0)
         self._lingering: dict[str, tuple[asyncio.Future[None], set[Any]]] = {}
+        # A store on the loop: the ACKs the loop's next turn waits for (`_lingers`).
+        self._awaited_acks: set[QueueId] | None = None
         self._connections: set[_Connection] = set()
         self._to_flush: list[_Connection] = []  # `_flush_soon`'s, this loop iteration's
         self._handlers: set[asyncio.Task[None]] = set()
@@ -664,9 +667,10 @@ class QueueServer:
         await asyncio.sleep(0)
         self._release_held()
         self._executing_on = None
-        if self._turn is not None:
+        if self._turn is not None:  # a lingering turn too: it runs now
             self._turn.cancel()
             self._turn = None
+        self._awaited_acks = None
         while self._carried or self._inbox:
             self._run_batch()
         if self._sweeper is not None:
@@ -797,7 +801,27 @@ class QueueServer:
             return
         self._release_held()  # ahead of this one: the arrival order stands
         self._inbox.append(request)
+        if self.pool is not None and not self.store.blocking and _ends_or_waits(request):
+            self._arrived_by_id(request, self.pool)
         self._schedule_turn()
+
+    def _arrived_by_id(self, request: _Request, pool: WorkerPool) -> None:
+        """A store on the loop: an ACK tells the linger how long its query took from its
+        hand-off; if the loop's turn lingers for it (or for the ACK that follows a command
+        its worker waits for, `_ends_or_waits`), the wait is over for it. The last one
+        awaited: the turn runs in this loop iteration, after its other reads (what else
+        arrived with it joins it)."""
+        if request.method == "ack":
+            job = pool.job(request.args[0])
+            if job is not None and job.sent_at is not None:
+                self.linger.acked(job.sent_at, time.monotonic())
+        awaited = self._awaited_acks
+        if awaited is None:
+            return
+        awaited.discard(request.args[0])
+        if not awaited and self._turn is not None:
+            self._turn.cancel()
+            self._turn = self._loop().call_soon(self._lingered)
 
     def _may_hold(self, request: _Request) -> bool:
         """An ADD for the pool's queue while the pool holds its budget cannot be retrieved
@@ -1125,16 +1149,45 @@ class QueueServer:
 
     def _execute_turn(self) -> None:
         self._turn = None
-        if not (self._carried or self._inbox):
-            return
+        if (self._carried or self._inbox) and (self.store.blocking or not self._lingers()):
+            self._run_turn()
+
+    def _lingers(self) -> bool:
+        """A store on the loop: whether this turn waits for the ACKs its workers are about
+        to send (linger.py), to run with them in one transaction; it runs when they have
+        arrived (`_arrived_by_id`) or are overdue. Never while a worker is idle: an ADD
+        in the turn may have work for it."""
+        pool = self._retrieving_pool()
+        if pool is None or not pool.full:
+            return False
+        coming = {r.args[0] for r in self._carried if _ends_or_waits(r)}
+        coming.update(r.args[0] for r in self._inbox if _ends_or_waits(r))
+        now = time.monotonic()
+        awaited, until = self.linger.awaited(pool.running(), coming, now)
+        if not awaited:
+            return False
+        self._awaited_acks = awaited
+        # In whole ms on uvloop: an overdue ACK may hold the turn up to a ms longer.
+        self._turn = self._loop().call_later(until - now, self._lingered)
+        return True
+
+    def _lingered(self) -> None:
+        self._turn = None
+        self._awaited_acks = None
+        if self._carried or self._inbox:
+            self._run_turn()
+
+    def _run_turn(self) -> None:
         try:
             batch = self._take_batch()
             if self.store.blocking:
                 for route, group in self._by_route(batch).items():
                     self._to_lane(route, group)
             else:
+                began = time.monotonic()
                 batch, answers, for_pool = self._execute_carrying(batch)
                 self._settle(batch, answers, for_pool)
+                self.linger.ran(time.monotonic() - began)
         finally:
             # What is left (carried, or arrived meanwhile) goes in the next turn, after the
             # connections have read what arrived since: the next batch groups it.

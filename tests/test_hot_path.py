@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from queryqueue import MemoryQueueStore, QueueError
+from queryqueue import MemoryQueueStore, QueueError, SqliteQueueStore
 from queryqueue.supervisor import protocol
 from queryqueue.supervisor import server as server_module
 from queryqueue.supervisor.client import SocketQueueDriver
@@ -312,7 +312,6 @@ async def test_a_batch_run_again_with_savepoints_leaves_no_long_poll_of_its_firs
     """SQLite runs a batch without savepoints first; an ACK failing after its write has the
     batch rolled back and run again, guarded. The long poll the first run subscribed for
     the pipelined ADD is forgotten: one waiter, the second run's, not two."""
-    from queryqueue import SqliteQueueStore
     from queryqueue.driver_sqlite.store import SqliteTransaction
 
     store = SqliteQueueStore(tmp_path / "q.db")
@@ -410,7 +409,7 @@ async def test_a_lanes_batch_wakes_its_waiters_on_the_loop_with_its_answers(
 
 
 class _Told:
-    """A lane's linger that waits as the test says: for every query on a worker whose
+    """A linger that waits as the test says: for every query on a worker whose
     ACK is not queued yet (`until` from now), or for `awaited` (ids) alone."""
 
     def __init__(self) -> None:
@@ -426,15 +425,24 @@ class _Told:
 
 @contextlib.asynccontextmanager
 async def _told_lane(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str = "postgres",
+    pool_of: tuple[str, int] | None = None,
 ) -> AsyncIterator[tuple[QueueServer, _Told, SocketQueueDriver, list[list[Any]]]]:
-    """A server on a PostgreSQL store with a pool of two workers (tests.apps.pool_app),
-    whose lane lingers as the test says (`_Told`), its batches recorded."""
-    from tests.postgres_util import postgres_store
-
+    """A server with a pool of two workers (tests.apps.pool_app) whose batches linger as
+    the test says (`_Told`), recorded: on a PostgreSQL store, its lane's; on SQLite, the
+    loop's turns."""
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    store = postgres_store()
-    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
+    if kind == "postgres":
+        from tests.postgres_util import postgres_store
+
+        store: Any = postgres_store()
+    else:
+        store = SqliteQueueStore(workdir / "q.db")
+    # The loop's turn lingers only while no worker is idle: there, one query fills the pool.
+    app, workers = pool_of or (("app", 2) if kind == "postgres" else ("single", 1))
+    pool = WorkerPool(f"tests.apps.pool_app:{app}", workdir / "s.sock", store, workers=workers)
     server = QueueServer(store, workdir / "s.sock", pool=pool)
     told = _Told()
     monkeypatch.setattr(server.linger, "awaited", told.awaited_for)
@@ -463,14 +471,19 @@ async def _started(server: QueueServer, extras: int) -> None:
     await wait_until(lambda: "merge_extra" in kinds and kinds["merge_extra"].count == extras)
 
 
-async def test_a_postgres_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On a lane, a batch the linger says to wait waits for the ACK of the query a worker
-    runs, and then runs with it as one batch (one transaction); an ACK that never comes
-    holds it no longer than the linger's deadline. Nothing of it is lost either way."""
+_KINDS = pytest.mark.parametrize("kind", ["postgres", "sqlite"])
 
-    async with _told_lane(workdir, monkeypatch) as (server, told, caller, batches):
+
+@_KINDS
+async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A batch the linger says to wait (on PostgreSQL's lane, or SQLite's turn on the
+    loop) waits for the ACK of the query a worker runs, and then runs with it as one batch
+    (one transaction); an ACK that never comes holds it no longer than the linger's
+    deadline. Nothing of it is lost either way."""
+
+    async with _told_lane(workdir, monkeypatch, kind) as (server, told, caller, batches):
         prefix = server.pool.prefix if server.pool is not None else ""
         first = await caller.add(f"{prefix}:first", _sql("first", 0.5))
         await _started(server, 1)
@@ -483,6 +496,8 @@ async def test_a_postgres_batch_waits_for_the_ack_it_was_told_of_and_runs_with_i
         assert ("ack", first.id) in together  # one batch, one transaction
         assert second.added
 
+        await caller.add(f"{prefix}:busy", _sql("busy", 1))
+        await _started(server, 3)  # first, second, busy: the pool has no idle worker
         told.awaited, told.until = {10**9}, 0.3  # an ACK that never comes
         began = time.monotonic()
         third = await caller.add(f"{prefix}:third", _sql("third", 0))
@@ -503,12 +518,28 @@ async def _lingering_for_long(
     await _started(server, 1)
     told.awaited, told.until = {long.id}, 60.0
     adding = asyncio.ensure_future(caller.add(f"{prefix}:next", _sql("next", 0)))
-    await wait_until(lambda: bool(server._lingering))
+    await wait_until(lambda: bool(server._lingering or server._awaited_acks))
     return prefix, long, adding
 
 
-async def test_a_postgres_batch_stops_waiting_for_a_worker_that_waits_for_it(
+async def test_on_sqlite_a_turn_never_lingers_while_a_worker_is_idle(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a worker idle, an ADD in the loop's turn may have work for it: the turn runs
+    at once, whatever the linger says (here: wait a minute for the running query)."""
+    async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, told, caller, _):
+        prefix = server.pool.prefix if server.pool is not None else ""
+        await caller.add(f"{prefix}:first", _sql("first", 30))
+        await _started(server, 1)
+        told.until = 60.0
+        second = await asyncio.wait_for(caller.add(f"{prefix}:second", _sql("second", 0)), 3)
+        assert second.added and server._awaited_acks is None
+        assert not [t for t in read_trace(workdir) if t[:2] == ["end", "first"]]
+
+
+@_KINDS
+async def test_a_batch_stops_waiting_for_a_worker_that_waits_for_it(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """A command by queue id about the query a batch waits for (a worker's extra, here
     a GET) queues behind that batch, and its worker may wait for the answer before it
@@ -516,7 +547,7 @@ async def test_a_postgres_batch_stops_waiting_for_a_worker_that_waits_for_it(
     own; the first test's batch waited through several)."""
     from tests.trace import read_trace
 
-    async with _told_lane(workdir, monkeypatch) as (server, told, caller, batches):
+    async with _told_lane(workdir, monkeypatch, kind) as (server, told, caller, batches):
         prefix, long, adding = await _lingering_for_long(server, told, caller)
         assert not adding.done()
         got = await caller.get(long.id)
@@ -527,12 +558,13 @@ async def test_a_postgres_batch_stops_waiting_for_a_worker_that_waits_for_it(
         assert ("get", long.id) in together
 
 
+@_KINDS
 async def test_a_stopping_server_runs_a_lingering_batch_at_once(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """Stopping does not wait out a linger (its deadline here a minute away): the batch
     runs, and its ADD is answered, before the server has stopped."""
-    async with _told_lane(workdir, monkeypatch) as (server, told, caller, _):
+    async with _told_lane(workdir, monkeypatch, kind) as (server, told, caller, _):
         *_, adding = await _lingering_for_long(server, told, caller)
         await asyncio.wait_for(server.stop(), 30)
         added = await asyncio.wait_for(adding, 5)

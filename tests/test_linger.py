@@ -1,5 +1,5 @@
-"""The lane's linger (supervisor/linger.py): which ACKs a PostgreSQL prefix's next batch
-waits for, and until when, from the times it is given."""
+"""The linger (supervisor/linger.py): which ACKs a PostgreSQL prefix's next batch, or the
+loop's next turn on SQLite, waits for, and until when, from the times it is given."""
 
 from __future__ import annotations
 
@@ -50,6 +50,17 @@ def test_acks_not_due_within_half_a_batch_are_not_waited_for() -> None:
     awaited, until = close.awaited([(1, 100.0)], set(), 100.0)
     assert awaited == {1}
     assert until == pytest.approx(100.002)
+
+
+def test_on_the_loop_it_waits_up_to_a_whole_batch() -> None:
+    # Due past half a batch (a lane would not wait), within a whole one (the loop's share).
+    loop = Linger(share=1.0)
+    loop.acked(handed_at=10.0, now=10.003)
+    loop.ran(0.004)
+    awaited, until = loop.awaited([(1, 100.0)], set(), 100.0)
+    assert awaited == {1}
+    assert until == pytest.approx(100.004)  # overdue at 100.006: the wait ends at a batch
+    assert _learned(turnaround=0.003, batch=0.004).awaited([(1, 100.0)], set(), 100.0)[0] == set()
 
 
 def test_its_averages_follow_what_it_sees() -> None:

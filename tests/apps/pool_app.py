@@ -122,3 +122,13 @@ short = QueueApp(
 )
 short.handler("sql")(run)
 short.cancel_handler("sql")(cancel)
+
+# One query at a time: one running query leaves a pool of one worker no idle slot.
+single = QueueApp(
+    "single",
+    concurrency=1,
+    continue_wait_timeout=1.0,
+    heartbeat_interval=float(os.environ.get("POOL_HEARTBEAT", "0.25")),
+)
+single.handler("sql")(run)
+single.cancel_handler("sql")(cancel)
