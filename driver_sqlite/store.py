@@ -23,7 +23,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -380,6 +380,44 @@ class SqliteTransaction:
             self._counts.count(prefix, -pending, -active)
 
 
+class _InBatch:
+    """One command inside a batch: undone alone if it fails, the batch goes on. A class,
+    not a generator's context manager: five of them a query, each ~1 us cheaper so."""
+
+    __slots__ = ("_savepoint", "_store")
+
+    def __init__(self, store: SqliteQueueStore) -> None:
+        self._store = store
+        self._savepoint: _Savepoint | None = None
+
+    def __enter__(self) -> SqliteTransaction:
+        store = self._store
+        store._lock.acquire()
+        try:
+            savepoint = self._savepoint = _Savepoint(
+                store._conn, store.path, store._counts, store._ids, guarded=store._guarded
+            )
+            return SqliteTransaction(
+                store._conn, store._counts, store._stored, store._ids, savepoint
+            )
+        except BaseException:
+            store._lock.release()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        store, savepoint = self._store, self._savepoint
+        assert savepoint is not None
+        try:
+            if exc is None:
+                savepoint.release()
+            elif not isinstance(exc, _Redo):
+                savepoint.undo()
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"queue database {store.path}: {exc}") from exc
+        finally:
+            store._lock.release()
+
+
 class SqliteQueueStore(QueueStore):
     def __init__(
         self,
@@ -518,27 +556,14 @@ class SqliteQueueStore(QueueStore):
             else:
                 stored[prefix] = now
 
-    @contextmanager
-    def _atomic(self) -> Iterator[SqliteTransaction]:
+    def _atomic(self) -> AbstractContextManager[SqliteTransaction]:
         if self._in_batch:
-            # One command inside a batch: undone alone if it fails, the batch goes on.
-            with self._lock:
-                savepoint = _Savepoint(
-                    self._conn, self.path, self._counts, self._ids, guarded=self._guarded
-                )
-                try:
-                    yield SqliteTransaction(
-                        self._conn, self._counts, self._stored, self._ids, savepoint
-                    )
-                except _Redo:
-                    raise
-                except BaseException as exc:
-                    savepoint.undo()
-                    if isinstance(exc, sqlite3.Error):
-                        raise StoreError(f"queue database {self.path}: {exc}") from exc
-                    raise
-                savepoint.release()
-            return
+            return _InBatch(self)
+        return self._transaction()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[SqliteTransaction]:
+        """A command outside a batch: a transaction of its own."""
         with self._lock:
             self._begin()
             try:

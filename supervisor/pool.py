@@ -218,8 +218,10 @@ class WorkerPool:
     @property
     def held(self) -> int:
         """Items handed to this pool and not finished: waiting or running."""
-        running = sum((w.job is not None) + (w.next is not None) for w in self._workers)
-        return len(self._backlog) + running
+        held = len(self._backlog)
+        for worker in self._workers:  # a loop, not sum() of a generator: 4 calls a query
+            held += (worker.job is not None) + (worker.next is not None)
+        return held
 
     @property
     def backlog(self) -> int:

@@ -63,6 +63,8 @@ _log = logging.getLogger("queryqueue.server")
 # The QUEUE commands a client may call, as the store declares them.
 COMMANDS = served()
 
+# How many argument shapes found fine a command keeps (`_Shape.fine`).
+_SHAPES_KEPT = 64
 # How long a stopping supervisor lets its clients take their last answers.
 _HANG_UP_S = 10.0
 # The commands whose answer tells their prefix's pending count once they ran.
@@ -343,6 +345,9 @@ class _Shape:
     names: tuple[str, ...]  # positional-or-keyword, in order
     required: frozenset[str]
     keywords: frozenset[str]
+    # Argument counts and keyword names (in the order sent) found fine: a client sends
+    # the same few shapes again and again. Bounded: a client cannot grow it for long.
+    fine: set[tuple[int, tuple[str, ...]]] = field(default_factory=set, compare=False)
 
     @classmethod
     def of(cls, method: Callable[..., Any]) -> _Shape:
@@ -355,6 +360,15 @@ class _Shape:
         )
 
     def check(self, args: list[Any], kwargs: dict[str, Any]) -> str | None:
+        sent = (len(args), tuple(kwargs))
+        if sent in self.fine:
+            return None
+        problem = self._problem(args, kwargs)
+        if problem is None and len(self.fine) < _SHAPES_KEPT:
+            self.fine.add(sent)
+        return problem
+
+    def _problem(self, args: list[Any], kwargs: dict[str, Any]) -> str | None:
         if len(args) > len(self.names):
             return f"takes at most {len(self.names)} positional arguments, got {len(args)}"
         unknown = kwargs.keys() - self.keywords
@@ -942,58 +956,9 @@ class QueueServer:
             method = cmd
             if not isinstance(args, list) or not isinstance(kwargs, dict):
                 raise InvalidCommandError(f"{method}: 'args' must be a list and 'kwargs' an object")
-            if method == "hello":
-                if kwargs.get("process_id") is not None:
-                    try:  # the store's own rule for process ids
-                        connection.process_id = check_process_id(kwargs["process_id"])
-                    except InvalidCommandError:
-                        raise InvalidCommandError(
-                            "hello: process_id must be a string of 1 to 96 characters"
-                        ) from None
-                # The prefixes whose queries this supervisor's pool runs: a client hands
-                # those off instead of running them itself.
-                pool = [self.pool.prefix] if self.pool is not None and self.pool.prefix else []
-                # Nothing committed is in it: it need not wait for a sync (synced.py).
-                hello = {"pid": os.getpid(), "pool": pool}
-                connection.send({"id": request_id, "ok": hello}, after_sync=False)
-                return None
-            if method == "ping":
-                connection.send({"id": request_id, "ok": "pong"}, after_sync=False)
-                return None
-            if method == "stats":
-                self._soon(self._describe_to(connection, request_id))
-                return None
-            if method == "shm_alloc":
-                slot = self.segments.alloc(args[0] if len(args) == 1 else None, connection)
-                connection.send({"id": request_id, "ok": slot}, after_sync=False)
-                return None
-            if method == "shm_release":
-                if len(args) not in (2, 3):
-                    raise InvalidCommandError(
-                        "shm_release: takes a segment name, its generation and, for a "
-                        "view, whether it is closed"
-                    )
-                closed = args[2] if len(args) == 3 else None
-                self.segments.release(args[0], args[1], connection, closed)
-                connection.send({"id": request_id, "ok": True})
-                return None
-            if method == "shm_view":
-                if len(args) != 2:
-                    raise InvalidCommandError("shm_view: takes a segment name and generation")
-                self.segments.mark_viewed(args[0], args[1], connection)
-                connection.send({"id": request_id, "ok": True})
-                return None
-            if method == "dispatch":
-                self._soon(self._dispatch_to(connection, request_id, args))
-                return None
-            if method == "watch":
-                if len(args) != 1:
-                    raise InvalidCommandError("watch: takes a prefix")
-                connection.watching.add(check_prefix(args[0]))
-                connection.send({"id": request_id, "ok": True})
-                return None
             if method not in COMMANDS:
-                raise InvalidCommandError(f"unknown command {method!r}")
+                self._serve_own(connection, request_id, method, args, kwargs)
+                return None
         dispatch = method == "add_and_retrieve" and kwargs.pop("dispatch", False) is True
         then_wait = _then_wait(kwargs.pop("then_wait", None)) if COMMANDS[method].adds else None
         if COMMANDS[method].take_process_id and "process_id" not in kwargs:
@@ -1015,6 +980,67 @@ class QueueServer:
             dispatch=dispatch,
             then_wait=then_wait,
         )
+
+    def _serve_own(
+        self,
+        connection: _Connection,
+        request_id: Any,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """The server's own commands, not the queue's: answered at once, none in a batch."""
+        if method == "hello":
+            if kwargs.get("process_id") is not None:
+                try:  # the store's own rule for process ids
+                    connection.process_id = check_process_id(kwargs["process_id"])
+                except InvalidCommandError:
+                    raise InvalidCommandError(
+                        "hello: process_id must be a string of 1 to 96 characters"
+                    ) from None
+            # The prefixes whose queries this supervisor's pool runs: a client hands
+            # those off instead of running them itself.
+            pool = [self.pool.prefix] if self.pool is not None and self.pool.prefix else []
+            # Nothing committed is in it: it need not wait for a sync (synced.py).
+            hello = {"pid": os.getpid(), "pool": pool}
+            connection.send({"id": request_id, "ok": hello}, after_sync=False)
+            return None
+        if method == "ping":
+            connection.send({"id": request_id, "ok": "pong"}, after_sync=False)
+            return None
+        if method == "stats":
+            self._soon(self._describe_to(connection, request_id))
+            return None
+        if method == "shm_alloc":
+            slot = self.segments.alloc(args[0] if len(args) == 1 else None, connection)
+            connection.send({"id": request_id, "ok": slot}, after_sync=False)
+            return None
+        if method == "shm_release":
+            if len(args) not in (2, 3):
+                raise InvalidCommandError(
+                    "shm_release: takes a segment name, its generation and, for a "
+                    "view, whether it is closed"
+                )
+            closed = args[2] if len(args) == 3 else None
+            self.segments.release(args[0], args[1], connection, closed)
+            connection.send({"id": request_id, "ok": True})
+            return None
+        if method == "shm_view":
+            if len(args) != 2:
+                raise InvalidCommandError("shm_view: takes a segment name and generation")
+            self.segments.mark_viewed(args[0], args[1], connection)
+            connection.send({"id": request_id, "ok": True})
+            return None
+        if method == "dispatch":
+            self._soon(self._dispatch_to(connection, request_id, args))
+            return None
+        if method == "watch":
+            if len(args) != 1:
+                raise InvalidCommandError("watch: takes a prefix")
+            connection.watching.add(check_prefix(args[0]))
+            connection.send({"id": request_id, "ok": True})
+            return None
+        raise InvalidCommandError(f"unknown command {method!r}")
 
     def _soon(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
