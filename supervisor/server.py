@@ -580,6 +580,7 @@ class QueueServer:
         self._awaited_acks: set[QueueId] | None = None
         self._connections: set[_Connection] = set()
         self._to_flush: list[_Connection] = []  # `_flush_soon`'s, this loop iteration's
+        self._flush_pass: asyncio.Handle | None = None  # that write pass, once scheduled
         self._handlers: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._shapes: dict[str, _Shape] = {}
@@ -875,10 +876,20 @@ class QueueServer:
         queued ahead of the pass by the same turn) are written in it, not an iteration
         later, and before their worker's ACK answer."""
         if not self._to_flush:
-            self._loop().call_soon(self._flush_all)
+            self._flush_pass = self._loop().call_soon(self._flush_all)
         self._to_flush.append(connection)
 
+    def _flush_after_wake_ups(self) -> None:
+        """The long polls a batch woke have their callbacks queued now: a write pass that
+        was scheduled before them (an ADD's deferred answer released earlier in this
+        iteration, say) goes after them, so that they are written in it, ahead of the
+        batch's ACK answers."""
+        if self._flush_pass is not None:
+            self._flush_pass.cancel()
+            self._flush_pass = self._loop().call_soon(self._flush_all)
+
     def _flush_all(self) -> None:
+        self._flush_pass = None
         connections, self._to_flush = self._to_flush, []
         # Callers first: an answer ends a caller's wait; a worker's ACK answer only lets it
         # wait for a hand-off, which, if there is one, left already (and each write
@@ -1230,6 +1241,9 @@ class QueueServer:
         """A committed batch: the pool hears of it (its workers' next queries leave
         first: their ACKs are what the next batch waits for), then the waiters it woke
         (`effects`, a lane's batch), then its answers."""
+        # A write pass scheduled before the batch's waiters were woken (on SQLite they
+        # are as it commits) would write its ACK answers ahead of the polls they woke.
+        passed_early = self._flush_pass is not None
         self._note_acks(batch, answers)
         self._hand_over(batch, answers, for_pool)
         for effect in effects or ():  # here on the loop
@@ -1240,6 +1254,8 @@ class QueueServer:
         # A batch that tried the pool's retrieval did its reconcile's work (found nothing
         # is an answer too): a poke would list ACTIVE and PENDING again for nothing.
         self._answer_batch(batch, answers, poke=for_pool is None)
+        if passed_early:
+            self._flush_after_wake_ups()
 
     def _hand_over(
         self,

@@ -643,14 +643,17 @@ async def test_on_sqlite_a_batch_that_fails_to_commit_after_its_hand_off_leaves_
     assert starts == ["lost", "next"], starts
 
 
+@pytest.mark.parametrize("pass_pending", [False, True], ids=["alone", "pass-pending"])
 async def test_an_acks_woken_long_poll_is_written_before_its_workers_ack_answer(
-    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pass_pending: bool
 ) -> None:
     """The answers of a loop iteration leave in one write pass, callers' first: the long
     poll an ACK woke (its waiter's callback runs an iteration after the ACK's batch) is
     written in the same pass as the worker's ACK answer, ahead of it, not an iteration
-    behind it (each write that wakes a process costs the loop tens of microseconds)."""
-    from queryqueue import SqliteQueueStore
+    behind it (each write that wakes a process costs the loop tens of microseconds).
+    `pass-pending`: a write pass was scheduled earlier in the ACK's loop iteration (as an
+    ADD's deferred answer released by its timer does on a loaded machine): it goes after
+    the polls the ACK woke, not before them."""
     from tests.pool_util import pool_server
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
@@ -670,6 +673,15 @@ async def test_an_acks_woken_long_poll_is_written_before_its_workers_ack_answer(
 
     monkeypatch.setattr(QueueServer, "_answer", answering)
     monkeypatch.setattr(server_module._Connection, "flush", flushing)
+    if pass_pending:
+        execute_turn = QueueServer._execute_turn
+
+        def after_a_pass(server: QueueServer) -> None:
+            if any(r.method == "ack" for r in server._inbox) and server._connections:
+                server._flush_soon(next(iter(server._connections)))  # nothing to write
+            execute_turn(server)
+
+        monkeypatch.setattr(QueueServer, "_execute_turn", after_a_pass)
     loop = asyncio.get_running_loop()
 
     def count_iterations() -> None:
