@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -441,6 +441,12 @@ class _Deadline:
         self._timer.cancel()
 
 
+def _coming(*queued: Iterable[_Request]) -> set[QueueId]:
+    """The queue ids whose worker's ACK is among `queued`, or comes after a command there
+    that the worker waits for (`_ends_or_waits`): a linger does not wait for those."""
+    return {r.args[0] for requests in queued for r in requests if _ends_or_waits(r)}
+
+
 def _acks_last(batch: list[_Request]) -> list[_Request]:
     """A lane's batch with the commands of connections that sent an ACK after all the
     others, each connection's in the order they came. ACKs by queue id have their items
@@ -828,8 +834,8 @@ class QueueServer:
         arrived with it joins it)."""
         if request.method == "ack":
             job = pool.job(request.args[0])
-            if job is not None and job.sent_at is not None:
-                self.linger.acked(job.sent_at, time.monotonic())
+            if job is not None:
+                self._ack_arrived(job.sent_at)
         awaited = self._awaited_acks
         if awaited is None:
             return
@@ -837,6 +843,12 @@ class QueueServer:
         if not awaited and self._turn is not None:
             self._turn.cancel()
             self._turn = self._loop().call_soon(self._lingered)
+
+    def _ack_arrived(self, sent_at: float | None) -> None:
+        """A worker's ACK arrived for a query handed to it at `sent_at`: the linger learns
+        how long that took."""
+        if sent_at is not None:
+            self.linger.acked(sent_at, time.monotonic())
 
     def _may_hold(self, request: _Request) -> bool:
         """An ADD for the pool's queue while the pool holds its budget cannot be retrieved
@@ -1015,17 +1027,17 @@ class QueueServer:
             # Nothing committed is in it: it need not wait for a sync (synced.py).
             hello = {"pid": os.getpid(), "pool": pool}
             connection.send({"id": request_id, "ok": hello}, after_sync=False)
-            return None
+            return
         if method == "ping":
             connection.send({"id": request_id, "ok": "pong"}, after_sync=False)
-            return None
+            return
         if method == "stats":
             self._soon(self._describe_to(connection, request_id))
-            return None
+            return
         if method == "shm_alloc":
             slot = self.segments.alloc(args[0] if len(args) == 1 else None, connection)
             connection.send({"id": request_id, "ok": slot}, after_sync=False)
-            return None
+            return
         if method == "shm_release":
             if len(args) not in (2, 3):
                 raise InvalidCommandError(
@@ -1035,22 +1047,22 @@ class QueueServer:
             closed = args[2] if len(args) == 3 else None
             self.segments.release(args[0], args[1], connection, closed)
             connection.send({"id": request_id, "ok": True})
-            return None
+            return
         if method == "shm_view":
             if len(args) != 2:
                 raise InvalidCommandError("shm_view: takes a segment name and generation")
             self.segments.mark_viewed(args[0], args[1], connection)
             connection.send({"id": request_id, "ok": True})
-            return None
+            return
         if method == "dispatch":
             self._soon(self._dispatch_to(connection, request_id, args))
-            return None
+            return
         if method == "watch":
             if len(args) != 1:
                 raise InvalidCommandError("watch: takes a prefix")
             connection.watching.add(check_prefix(args[0]))
             connection.send({"id": request_id, "ok": True})
-            return None
+            return
         raise InvalidCommandError(f"unknown command {method!r}")
 
     def _soon(self, work: Coroutine[Any, Any, None]) -> None:
@@ -1197,10 +1209,10 @@ class QueueServer:
         pool = self._retrieving_pool()
         if pool is None or not pool.full:
             return False
-        coming = {r.args[0] for r in self._carried if _ends_or_waits(r)}
-        coming.update(r.args[0] for r in self._inbox if _ends_or_waits(r))
         now = time.monotonic()
-        awaited, until = self.linger.awaited(pool.running(), coming, now)
+        awaited, until = self.linger.awaited(
+            pool.running(), _coming(self._carried, self._inbox), now
+        )
         if not awaited:
             return False
         self._awaited_acks = awaited
@@ -1294,8 +1306,8 @@ class QueueServer:
             if route is None and held is not None and request.args:
                 job = held(request.args[0]) if isinstance(request.args[0], int) else None
                 route = job.path.rpartition(":")[0] if job is not None else None
-                if job is not None and request.method == "ack" and job.sent_at is not None:
-                    self.linger.acked(job.sent_at, time.monotonic())
+                if job is not None and request.method == "ack":
+                    self._ack_arrived(job.sent_at)
             groups.setdefault(route, []).append(request)
         return groups
 
@@ -1372,8 +1384,7 @@ class QueueServer:
         just handed have arrived (or are overdue): one batch for them all (linger.py)."""
         loop = self._loop()
         # Workers with a command here wait for its answer: their ACKs are not coming.
-        coming = {r.args[0] for r in batch if _ends_or_waits(r)}
-        coming.update(r.args[0] for r in self._lane_queued.get(route, ()) if _ends_or_waits(r))
+        coming = _coming(batch, self._lane_queued.get(route, ()))
         now = time.monotonic()
         awaited, until = self.linger.awaited(pool.running(), coming, now)
         if not awaited:
