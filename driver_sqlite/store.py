@@ -67,6 +67,12 @@ class _Redo(BaseException):
     BaseException: no command's or server's error handling may take it for an answer."""
 
 
+def _database_error(path: Path, exc: sqlite3.Error) -> StoreError:
+    """A statement of a command that failed, as the store's error (a command's
+    savepoint, or its transaction of its own)."""
+    return StoreError(f"queue database {path}: {exc}")
+
+
 class _Savepoint:
     """A command's savepoint inside a batch, opened by its first write: a command that only
     reads costs no SAVEPOINT and RELEASE. (Left open until the COMMIT instead of released,
@@ -127,7 +133,7 @@ class _Savepoint:
             try:
                 self._c.execute("RELEASE command")
             except sqlite3.Error as exc:
-                raise StoreError(f"queue database {self._path}: {exc}") from exc
+                raise _database_error(self._path, exc) from exc
 
 
 class SqliteTransaction:
@@ -413,7 +419,7 @@ class _InBatch:
             elif not isinstance(exc, _Redo):
                 savepoint.undo()
                 if isinstance(exc, sqlite3.Error):
-                    raise StoreError(f"queue database {store.path}: {exc}") from exc
+                    raise _database_error(store.path, exc) from exc
         finally:
             store._lock.release()
 
@@ -573,7 +579,7 @@ class SqliteQueueStore(QueueStore):
                     self._conn.execute("ROLLBACK")
                 self._ids.rolled_back()
                 if isinstance(exc, sqlite3.Error):
-                    raise StoreError(f"queue database {self.path}: {exc}") from exc
+                    raise _database_error(self.path, exc) from exc
                 raise
             try:
                 self._commit()
