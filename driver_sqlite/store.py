@@ -452,6 +452,7 @@ class SqliteQueueStore(QueueStore):
         self.synchronous = synchronous
         self._lock = threading.RLock()
         self._in_batch = False
+        self._handed_early = False  # `hands_off_early` said yes in the current batch
         # Each command of a batch in a savepoint of its own: all but `batched`'s first run.
         self._guarded = True
         self._deferred: list[Callable[[], object]] = []
@@ -594,7 +595,8 @@ class SqliteQueueStore(QueueStore):
         """Group commit: one transaction (one WAL commit, one fsync with FULL) for every
         command run inside; each command is a savepoint of its own. Its `before_commit`
         callbacks run as its COMMIT starts (ids.py: its ids are never given again, even
-        should the COMMIT fail); after it, if an item took an id outside the block."""
+        should the COMMIT fail, nor once `hands_off_early` said yes); after it, if an item
+        took an id outside the block."""
         with self._lock:
             if self._in_batch:
                 yield
@@ -603,6 +605,7 @@ class SqliteQueueStore(QueueStore):
             self._in_batch = True
             self._deferred = []
             self._committing = []
+            self._handed_early = False
             handed = False
             try:
                 yield
@@ -615,7 +618,7 @@ class SqliteQueueStore(QueueStore):
             except BaseException as exc:
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
-                if not handed:
+                if not (handed or self._handed_early):
                     self._ids.rolled_back()
                 self._deferred = []
                 self._committing = []
@@ -644,6 +647,12 @@ class SqliteQueueStore(QueueStore):
             finally:
                 self._guarded = True
             return super().batched(work, undo, prefix)
+
+    def hands_off_early(self) -> bool:
+        if not self._in_batch or self._ids.outside:
+            return False
+        self._handed_early = True
+        return True
 
     def before_commit(self, callback: Callable[[], object]) -> None:
         if self._in_batch:

@@ -61,6 +61,14 @@ class GroupCommit:
         PostgreSQL sequence; SQLite's blocks, driver_sqlite/ids.py), so its ACK finds no
         item rather than another's. Not for an answer: those wait for the commit."""
 
+    def hands_off_early(self) -> bool:
+        """Inside a `batch`, on its thread, before its commands are all run: True when
+        what the batch has done so far may go to the workers now, as `before_commit`'s
+        callbacks do at its end (the ids it took are never given again from here on,
+        whatever becomes of the batch); the batch is marked handed. False: not here
+        (no batch; a store with no COMMIT, or ids it cannot vouch for yet)."""
+        return False
+
     def unsynced_commit(self) -> int | None:
         """The commit an answer given now must wait for before it leaves (a number for
         `when_synced`); None: every commit so far is durable. None but on a store that

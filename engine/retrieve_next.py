@@ -36,6 +36,7 @@ class RetrieveNext(ABC):
         concurrency: int,
         process_id: str,
         start_query_time: int | None = None,
+        min_priority: int | None = None,
     ) -> list[NextRetrieved]:
         """The reconcile's PENDING then RETRIEVE per slot, as one command (not a QUEUE
         command: a supervisor runs it for its pool in the batch that freed a slot or added
@@ -43,11 +44,13 @@ class RetrieveNext(ABC):
         priority desc, then queue id), each item moved to active in that order while the
         prefix has fewer than `concurrency` active, skipping the persistent keys of other
         processes (`may_run_in`); `start_query_time` as RETRIEVE's. A prefix with no slot or
-        nothing pending costs one read."""
+        nothing pending costs one read. `min_priority`: none below it (the head stops there)."""
         v.check_prefix(prefix)
         v.check_concurrency(concurrency)
         v.check_process_id(process_id)
         v.check_non_negative_ms("start_query_time", start_query_time, nullable=True)
+        if min_priority is not None:
+            v.check_priority(min_priority)
         now = self.clock.now_ms()
         found: list[NextRetrieved] = []
         with self._atomic() as tx:
@@ -59,6 +62,8 @@ class RetrieveNext(ABC):
             )
             for item in head:
                 if active >= concurrency:
+                    break
+                if min_priority is not None and item.priority < min_priority:
                     break
                 if item.payload is None or not may_run_in(item.key, process_id):
                     continue

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -39,7 +39,7 @@ from queryqueue.engine.lanes import route_of
 from queryqueue.engine.responses import AddAndRetrieveResponse, QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
-from queryqueue.engine.validation import check_key, check_prefix, check_process_id
+from queryqueue.engine.validation import check_key, check_prefix, check_priority, check_process_id
 from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results, guard, loops, sqltext
 from queryqueue.supervisor.deadlines import Deadlines
@@ -318,6 +318,33 @@ class _Client:
     def lost(self) -> None:
         if self.connection is not None:
             self.server._lost(self.connection)
+
+
+def _acks_first(batch: list[_Request]) -> list[_Request]:
+    """A batch on the loop with the commands of connections that sent an ACK (its workers)
+    before all the others, each connection's in the order they came: the slots the ACKs
+    free are filled, and their workers sent their next, before the rest runs
+    (`_hand_off_early`). As `_acks_last`, commands of different connections that arrived
+    together have no order between them to keep."""
+    acking = {id(r.connection) for r in batch if r.method == "ack"}
+    if not acking:
+        return batch
+    first = [r for r in batch if id(r.connection) in acking]
+    if all(a is b for a, b in zip(first, batch, strict=False)):
+        return batch
+    return first + [r for r in batch if id(r.connection) not in acking]
+
+
+def _acking_end(batch: list[_Request]) -> int:
+    """Where the leading commands of a batch's ACKing connections end (`_acks_first`):
+    -1 when none lead, or nothing follows them."""
+    acking = {id(r.connection) for r in batch if r.method == "ack"}
+    if not acking:
+        return -1
+    for i, request in enumerate(batch):
+        if id(request.connection) not in acking:
+            return i if i else -1
+    return -1
 
 
 def _acked_ids(batch: list[_Request], answers: list[tuple[bool, Any]]) -> list[QueueId]:
@@ -1454,6 +1481,8 @@ class QueueServer:
             batch.append(self._carried.popleft())
         while len(batch) < self.max_batch and self._inbox:
             batch.append(self._inbox.popleft())
+        if not self.store.blocking:
+            batch = _acks_first(batch)
         for request in batch:  # checked here, on the loop: the segments live on it
             if request.checked:
                 continue  # carried over from a batch that ended early
@@ -1560,7 +1589,11 @@ class QueueServer:
         self, batch: list[_Request], answers: list[tuple[bool, Any]]
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
         added: set[int] = set()  # the ADDs of this transaction that inserted their item
+        split = -1 if self.store.blocking or self._retrieving_pool() is None else _acking_end(batch)
+        early: list[RetrievedQuery] | None = None
         for i, request in enumerate(batch):
+            if i == split:
+                early = self._hand_off_early(batch[:i], answers, batch[i:])
             if request.follows is not None and id(request.follows) in added:
                 answers.append(self._wait_for_new(request))
                 continue
@@ -1574,9 +1607,47 @@ class QueueServer:
                 break
         due = self._pool_retrieval_due(batch[: len(answers)], answers)
         if due is None:
-            return answers, None
+            return answers, early
         # Nothing pending is found nothing: no listing, and no reconcile poked for it.
-        return answers, self._retrieve_for_pool() if due else []
+        later = self._retrieve_for_pool() if due else []
+        return answers, early + (later or []) if early else later
+
+    def _hand_off_early(
+        self, done: list[_Request], answers: list[tuple[bool, Any]], rest: list[_Request]
+    ) -> list[RetrievedQuery] | None:
+        """The batch's workers' ACKs have run, the rest of it has not: the slots they
+        freed are filled now, in this transaction, and the workers sent their next before
+        the batch's other commands run (its callers' ADDs, their long polls), not as its
+        COMMIT leaves. A worker's turnaround bounds a busy queue's throughput. Only with
+        the head of PENDING as the end of the batch would find it: nothing below the
+        priority of an ADD of the rest (`min_priority`). What it retrieved joins the
+        batch's retrieval (None: nothing tried)."""
+        acks = _acked_ids(done, answers)
+        if not acks or not self._pool_retrieval_due(done, answers):
+            return None
+        floor = self._priority_floor(rest)
+        if floor is False:
+            return None
+        assert self.pool is not None and self.pool.queue is not None
+        got = self._retrieve_for_pool(min_priority=floor)
+        if got and self.store.hands_off_early():
+            for queue_id in acks:
+                self.pool.acking(queue_id)
+            self._hand_to_pool(got)
+        return got
+
+    def _priority_floor(self, requests: list[_Request]) -> int | Literal[False] | None:
+        """The highest priority of the pool's prefix that `requests` may add (None: they
+        add none; False: one of them asks for one no item can have)."""
+        floor: int | None = None
+        for request in requests:
+            if self._adds_to_pool(request):
+                try:
+                    priority = check_priority(request.kwargs.get("priority", 0))
+                except QueueError:
+                    return False  # its ADD fails: the batch's end retrieves as before
+                floor = priority if floor is None else max(floor, priority)
+        return floor
 
     def _expect_retrieval(self, batch: list[_Request]) -> None:
         """Tell the store of the pool's retrieval the batch will likely end with (a slot
@@ -1647,7 +1718,7 @@ class QueueServer:
                 pending = answer.pending if answer is not None else pending
         return (pending != 0) if may else None
 
-    def _retrieve_for_pool(self) -> list[RetrievedQuery] | None:
+    def _retrieve_for_pool(self, min_priority: int | None = None) -> list[RetrievedQuery] | None:
         """The pool queue's reconcile, in the batch: the head of PENDING retrieved per free
         slot (`retrieve_next`), with its process id, its concurrency and the design's rule
         on persistent keys. None: it failed (the reconcile does the rest)."""
@@ -1662,6 +1733,7 @@ class QueueServer:
                 concurrency=queue.concurrency,
                 process_id=queue.process_uid,
                 start_query_time=started,
+                min_priority=min_priority,
             )
         except QueueError as exc:
             _log.warning("retrieving for the pool in the batch failed: %s", exc)

@@ -369,6 +369,33 @@ def test_a_lanes_batch_runs_the_acks_connections_last_each_connection_in_order()
     assert server_module._acks_last(only_acking) == only_acking
 
 
+def test_a_batch_on_the_loop_runs_the_acks_connections_first_each_connection_in_order() -> None:
+    """The mirror of a lane's order: on the loop the connections that sent an ACK go
+    first (the slots they free are filled before the rest runs), each connection's
+    commands in their order; a batch already so, or with no ACK, is left as it came."""
+    worker, caller, other = object(), object(), object()
+
+    def request(connection: object, method: str, n: int) -> Any:
+        return server_module._Request(connection, n, method, [n], {}, None, 0.0)  # type: ignore[arg-type]
+
+    batch = [
+        request(caller, "add", 1),
+        request(worker, "heartbeat", 2),
+        request(other, "ack", 3),
+        request(caller, "result_blocking", 4),
+        request(worker, "ack", 5),
+    ]
+    ordered = server_module._acks_first(batch)
+    assert [r.id for r in ordered] == [2, 3, 5, 1, 4]
+    assert server_module._acking_end(ordered) == 3
+    assert server_module._acks_first(ordered) is ordered
+    no_ack = [request(caller, "add", 1), request(other, "add", 2)]
+    assert server_module._acks_first(no_ack) is no_ack
+    assert server_module._acking_end(no_ack) == -1
+    only_acks = [request(worker, "ack", 1), request(other, "ack", 2)]
+    assert server_module._acking_end(only_acks) == -1  # nothing runs after them
+
+
 async def test_a_lanes_batch_wakes_its_waiters_on_the_loop_with_its_answers(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -784,3 +811,73 @@ async def test_on_postgresql_the_pool_is_touched_only_on_the_loops_thread(
         )
     assert sorted(v["key"] for v in values) == sorted(f"q{i}" for i in range(12))
     assert threads == {threading.get_ident()}
+
+
+@pytest.mark.parametrize("priority", [0, 10])
+async def test_on_sqlite_an_acks_freed_slot_is_filled_before_the_rest_of_its_batch_runs(
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, priority: int
+) -> None:
+    """A worker's ACK that arrived with a caller's ADD ahead of it runs first, and the
+    slot it frees goes to the head of PENDING, handed to the worker, before the ADD runs
+    (not as the batch's COMMIT leaves, after it). Unless the ADD may bring something more
+    urgent than that head (`priority` 10 over 0): then the batch's end retrieves, and the
+    urgent item goes first, as it always did."""
+    from tests.pool_util import pool_server
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = SqliteQueueStore(tmp_path / "q.db")
+    order: list[tuple[str, str]] = []
+    async with pool_server(store, workdir, workers=2) as (server, pool, _):
+        prefix = pool.prefix or ""
+        caller = SocketQueueDriver(server.socket_path)
+        try:
+            await caller.add(f"{prefix}:first", _sql("first", 0.3))
+            await caller.add(f"{prefix}:long", _sql("long", 30))
+            await caller.add(f"{prefix}:queued", _sql("queued", 0))
+            await _started(server, 2)
+            assert [r.id for r in store.pending(prefix)] == ["queued"]
+            submit, add, execute_turn = pool.submit, store.add, server._execute_turn
+
+            def submitting(to: str, retrieved: Any) -> None:
+                order.append(("hand-off", retrieved.query["query"]["key"]))
+                submit(to, retrieved)
+
+            def adding(path: str, *args: Any, **kw: Any) -> Any:
+                order.append(("add", path.rpartition(":")[2]))
+                return add(path, *args, **kw)
+
+            held = [True]
+
+            def held_turn() -> None:  # the turn runs once both have arrived
+                if held[0]:
+                    server._turn = None
+                else:
+                    execute_turn()
+
+            monkeypatch.setattr(pool, "submit", submitting)
+            monkeypatch.setattr(store, "add", adding)
+            monkeypatch.setattr(server, "_execute_turn", held_turn)
+            adding_later = asyncio.ensure_future(
+                caller.add(f"{prefix}:later", _sql("later", 0), priority=priority)
+            )
+            inbox = server._inbox
+            await wait_until(lambda: [r.method for r in inbox] == ["add"], what=str(inbox))
+            await wait_until(lambda: "ack" in [r.method for r in inbox], what=str(inbox))
+            held[0] = False
+            server._schedule_turn()
+            assert (await asyncio.wait_for(adding_later, 10)).added
+            await wait_until(lambda: len(order) == 3, what=str(order))
+            await wait_until(lambda: len(_starts(workdir)) == 4, what=str(read_trace(workdir)))
+        finally:
+            await caller.close()
+    if priority == 0:
+        assert order == [("hand-off", "queued"), ("add", "later"), ("hand-off", "later")]
+    else:
+        assert order == [("add", "later"), ("hand-off", "later"), ("hand-off", "queued")]
+    starts = _starts(workdir)
+    handed = [key for kind, key in order if kind == "hand-off"]
+    assert sorted(starts[:2]) == ["first", "long"] and starts[2:] == handed
+
+
+def _starts(workdir: Path) -> list[str]:
+    return [t[1] for t in read_trace(workdir) if t[0] == "start"]

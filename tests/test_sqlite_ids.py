@@ -78,6 +78,33 @@ def test_a_batch_undone_before_its_hand_off_gives_its_ids_again(tmp_path: Path) 
         store.close()
 
 
+def test_a_batch_that_handed_off_early_and_failed_gives_none_of_its_ids_again(
+    tmp_path: Path,
+) -> None:
+    """`hands_off_early` (a supervisor filling its workers' slots before the rest of the
+    batch runs): from then on, the batch's ids are a worker's as if its COMMIT had started,
+    whatever becomes of it. Outside a batch it says no."""
+    store = SqliteQueueStore(tmp_path / "q.db")
+    try:
+        assert not store.hands_off_early()
+        taken: list[int | None] = []
+
+        def fails_after_a_hand_off() -> None:
+            taken.append(store.add(f"{P}:handed", "{}").id)
+            assert store.hands_off_early()
+            taken.append(store.add(f"{P}:after", "{}").id)
+            raise StoreError("a later command fails the batch")
+
+        with pytest.raises(StoreError):
+            store.batched(fails_after_a_hand_off, lambda _: None)
+        assert all(i is not None for i in taken)
+        again = store.add(f"{P}:next", "{}").id
+        assert again is not None and again > max(i for i in taken if i is not None)
+        assert [(r.id, r.queue_id) for r in store.pending(P)] == [("next", again)]  # undone
+    finally:
+        store.close()
+
+
 def test_a_store_killed_in_the_middle_of_a_batch_leaves_its_ids_to_no_one(
     tmp_path: Path,
 ) -> None:

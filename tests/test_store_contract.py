@@ -233,6 +233,23 @@ def test_retrieve_next_takes_the_head_of_pending_while_there_is_a_slot(
         store.retrieve_next(P, concurrency=0, process_id="pool")
 
 
+def test_retrieve_next_takes_nothing_below_its_priority_floor(store: QueueStore) -> None:
+    """`min_priority`: the head of PENDING is taken down to that priority and no further
+    (a supervisor filling a slot before the rest of its batch has run, whose ADDs may
+    bring something more urgent), and an equal one still goes first (its queue id is lower
+    than any ADD's to come); an impossible floor is refused."""
+    store.add(path("high"), payload(), priority=5)
+    store.add(path("mid"), payload(), priority=3)
+    store.add(path("low"), payload(), priority=0)
+    got = store.retrieve_next(P, concurrency=3, process_id="pool", min_priority=3)
+    assert [n.key for n in got] == ["high", "mid"]
+    assert store.retrieve_next(P, concurrency=3, process_id="pool", min_priority=1) == []
+    assert keys(store.pending(P)) == ["low"]
+    with pytest.raises(InvalidCommandError, match="priority"):
+        store.retrieve_next(P, concurrency=3, process_id="pool", min_priority=10**9)
+    assert [n.key for n in store.retrieve_next(P, concurrency=3, process_id="pool")] == ["low"]
+
+
 def test_retrieve_next_skips_what_another_process_owns(store: QueueStore) -> None:
     """Another process's EXCLUSIVE item is not seen, another's persistent key (`hash@uid`)
     is not taken; this process's own of both are."""
