@@ -324,15 +324,12 @@ def _acks_first(batch: list[_Request]) -> list[_Request]:
     """A batch on the loop with the commands of connections that sent an ACK (its workers)
     before all the others, each connection's in the order they came: the slots the ACKs
     free are filled, and their workers sent their next, before the rest runs
-    (`_hand_off_early`). As `_acks_last`, commands of different connections that arrived
-    together have no order between them to keep."""
-    acking = {id(r.connection) for r in batch if r.method == "ack"}
-    if not acking:
+    (`_hand_off_early`). As in `_acks_last`, commands of different connections that
+    arrived together have no order between them to keep."""
+    acking, others = _acking_apart(batch)
+    if not (acking and others) or all(a is b for a, b in zip(acking, batch, strict=False)):
         return batch
-    first = [r for r in batch if id(r.connection) in acking]
-    if all(a is b for a, b in zip(first, batch, strict=False)):
-        return batch
-    return first + [r for r in batch if id(r.connection) not in acking]
+    return acking + others
 
 
 def _acking_end(batch: list[_Request]) -> int:
@@ -481,11 +478,19 @@ def _acks_last(batch: list[_Request]) -> list[_Request]:
     the ADD's read waits for the ACKs' reads too (one round trip where ACK-then-ADD took
     two). Commands of different connections that arrived together have no order between
     them (they could as well have been read from their sockets the other way round)."""
+    acking, others = _acking_apart(batch)
+    return others + acking if acking and others else batch
+
+
+def _acking_apart(batch: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+    """(The commands of the connections that sent an ACK in `batch`, the others), each
+    in the order they came."""
     acking = {id(r.connection) for r in batch if r.method == "ack"}
-    if not acking or len(acking) == len({id(r.connection) for r in batch}):
-        return batch
-    first = [r for r in batch if id(r.connection) not in acking]
-    return first + [r for r in batch if id(r.connection) in acking]
+    if not acking:
+        return [], batch
+    return [r for r in batch if id(r.connection) in acking], [
+        r for r in batch if id(r.connection) not in acking
+    ]
 
 
 def _file_sizes(path: Any) -> dict[str, int | None]:

@@ -342,58 +342,38 @@ async def test_a_batch_run_again_with_savepoints_leaves_no_long_poll_of_its_firs
         store.close()
 
 
-def test_a_lanes_batch_runs_the_acks_connections_last_each_connection_in_order() -> None:
+def _request(connection: object, method: str, n: int) -> Any:
+    """A bare request of `connection`'s, its id and argument `n`: for the batch orders."""
+    return server_module._Request(connection, n, method, [n], {}, None, 0.0)  # type: ignore[arg-type]
+
+
+def test_a_batch_runs_the_acks_connections_last_on_a_lane_and_first_on_the_loop() -> None:
     """On a blocking store's lane a batch runs the commands of connections that sent an
     ACK after the others (the ADDs' reads then wait together with the ACKs' items, read
-    ahead): each connection's commands keep their order, and a batch with no ACK, or
-    only ACKing connections, is left as it came."""
+    ahead); on the loop before them (the slots they free are filled before the rest
+    runs). Either way each connection's commands keep their order, and a batch with no
+    ACK, only ACKing connections or already so ordered is left as it came."""
     worker, caller, other = object(), object(), object()
-
-    def request(connection: object, method: str, n: int) -> Any:
-        return server_module._Request(connection, n, method, [n], {}, None, 0.0)  # type: ignore[arg-type]
-
     batch = [
-        request(worker, "heartbeat", 1),
-        request(caller, "add", 2),
-        request(worker, "ack", 3),
-        request(other, "ack", 4),
-        request(caller, "result_blocking", 5),
-        request(worker, "add", 6),
+        _request(worker, "heartbeat", 1),
+        _request(caller, "add", 2),
+        _request(worker, "ack", 3),
+        _request(other, "ack", 4),
+        _request(caller, "result_blocking", 5),
+        _request(worker, "add", 6),
     ]
-    ordered = server_module._acks_last(batch)
-    assert [r.id for r in ordered] == [2, 5, 1, 3, 4, 6]
-    assert sorted(r.id for r in ordered) == [r.id for r in batch]
-    no_ack = [request(caller, "add", 1), request(other, "add", 2)]
-    assert server_module._acks_last(no_ack) == no_ack
-    only_acking = [request(worker, "ack", 1), request(other, "add", 2), request(other, "ack", 3)]
-    assert server_module._acks_last(only_acking) == only_acking
-
-
-def test_a_batch_on_the_loop_runs_the_acks_connections_first_each_connection_in_order() -> None:
-    """The mirror of a lane's order: on the loop the connections that sent an ACK go
-    first (the slots they free are filled before the rest runs), each connection's
-    commands in their order; a batch already so, or with no ACK, is left as it came."""
-    worker, caller, other = object(), object(), object()
-
-    def request(connection: object, method: str, n: int) -> Any:
-        return server_module._Request(connection, n, method, [n], {}, None, 0.0)  # type: ignore[arg-type]
-
-    batch = [
-        request(caller, "add", 1),
-        request(worker, "heartbeat", 2),
-        request(other, "ack", 3),
-        request(caller, "result_blocking", 4),
-        request(worker, "ack", 5),
-    ]
-    ordered = server_module._acks_first(batch)
-    assert [r.id for r in ordered] == [2, 3, 5, 1, 4]
-    assert server_module._acking_end(ordered) == 3
-    assert server_module._acks_first(ordered) is ordered
-    no_ack = [request(caller, "add", 1), request(other, "add", 2)]
-    assert server_module._acks_first(no_ack) is no_ack
-    assert server_module._acking_end(no_ack) == -1
-    only_acks = [request(worker, "ack", 1), request(other, "ack", 2)]
-    assert server_module._acking_end(only_acks) == -1  # nothing runs after them
+    last, first = server_module._acks_last(batch), server_module._acks_first(batch)
+    assert [r.id for r in last] == [2, 5, 1, 3, 4, 6]
+    assert [r.id for r in first] == [1, 3, 4, 6, 2, 5]
+    assert sorted(r.id for r in last) == sorted(r.id for r in first) == [r.id for r in batch]
+    assert server_module._acking_end(first) == 4 and server_module._acking_end(last) == -1
+    assert server_module._acks_first(first) is first
+    no_ack = [_request(caller, "add", 1), _request(other, "add", 2)]
+    only_acking = [_request(worker, "ack", 1), _request(other, "add", 2), _request(other, "ack", 3)]
+    for unchanged in (no_ack, only_acking):
+        assert server_module._acks_last(unchanged) is unchanged
+        assert server_module._acks_first(unchanged) is unchanged
+        assert server_module._acking_end(unchanged) == -1  # none lead, or nothing after
 
 
 async def test_a_lanes_batch_wakes_its_waiters_on_the_loop_with_its_answers(
