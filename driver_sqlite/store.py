@@ -452,7 +452,9 @@ class SqliteQueueStore(QueueStore):
         self.synchronous = synchronous
         self._lock = threading.RLock()
         self._in_batch = False
-        self._handed_early = False  # `hands_off_early` said yes in the current batch
+        # The current batch's work went to the workers (`before_commit`, `hands_off_early`):
+        # its ids are never given again, whatever becomes of it.
+        self._handed = False
         # Each command of a batch in a savepoint of its own: all but `batched`'s first run.
         self._guarded = True
         self._deferred: list[Callable[[], object]] = []
@@ -605,20 +607,20 @@ class SqliteQueueStore(QueueStore):
             self._in_batch = True
             self._deferred = []
             self._committing = []
-            self._handed_early = False
-            handed = False
+            self._handed = False
             try:
                 yield
-                if not self._ids.outside:
-                    handed = True
+                before = not self._ids.outside
+                if before:
+                    self._handed = True
                     self._before_commit()
                 self._commit()
-                if not handed:
+                if not before:
                     self._before_commit()
             except BaseException as exc:
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
-                if not (handed or self._handed_early):
+                if not self._handed:
                     self._ids.rolled_back()
                 self._deferred = []
                 self._committing = []
@@ -651,7 +653,7 @@ class SqliteQueueStore(QueueStore):
     def hands_off_early(self) -> bool:
         if not self._in_batch or self._ids.outside:
             return False
-        self._handed_early = True
+        self._handed = True
         return True
 
     def before_commit(self, callback: Callable[[], object]) -> None:

@@ -1610,7 +1610,11 @@ class QueueServer:
                 if batch[i + 1].follows is request:  # its long poll: in this batch
                     answers.append(self._wait_for_new(batch[i + 1]))
                 break
-        due = self._pool_retrieval_due(batch[: len(answers)], answers)
+        if early and self.pool is not None and self.pool.full:
+            # The early hand-off filled the budget: only a slot the rest frees is left.
+            due = self._pool_retrieval_due(batch[split : len(answers)], answers[split:])
+        else:
+            due = self._pool_retrieval_due(batch[: len(answers)], answers)
         if due is None:
             return answers, early
         # Nothing pending is found nothing: no listing, and no reconcile poked for it.
