@@ -31,6 +31,12 @@ from queryqueue.engine.errors import (
 )
 from queryqueue.engine.handlers import QueryHandler, SetCancelHandler
 from queryqueue.engine.hashing import js_number
+from queryqueue.engine.loop_run import (
+    LoopRun,
+    LoopRunWatch,
+    cancel_from_a_thread,
+    stoppable_from_a_thread,
+)
 from queryqueue.engine.outcome import CANCELLED_MESSAGE, encode_error
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -52,6 +58,8 @@ class _Execution:
     retrieved: RetrievedQuery
     cancel_handler: Any = None
     cancelled: bool = False  # cancelled from outside: the handler's end is not an error of its own
+    stopped: Exception | None = None  # its error, stopped while it ran on the loop's thread
+    on_loop: LoopRun | None = None  # its sync handler runs on the loop's thread now
     external_cancel_fired: bool = False
     finished: bool = False  # the handler is done: the heartbeat loop must end
     handler_task: asyncio.Future[Any] | None = None
@@ -66,6 +74,10 @@ class Executor:
     # leaving it to come through the loop (`HandlerThreads.run`): 0 but in a process
     # whose loop has nothing else to do while its one query runs (a pool's worker).
     sync_handler_wait = 0.0
+    # Set in a process whose loop has nothing else to do while its one query runs (a
+    # pool's worker): a sync handler then runs on the loop's thread, sparing the hop to a
+    # handler thread and back (two thread wake-ups a query), and this watches it.
+    watch: LoopRunWatch | None = None
 
     def __init__(self, queue: QueryQueue) -> None:
         self.queue = queue
@@ -150,7 +162,7 @@ class Executor:
                 {**context, "duration": _ms_since(started), "error": repr(exc)},
                 exc_info=exc,
             )
-            if isinstance(exc, QueryTimeoutError):
+            if isinstance(exc, QueryTimeoutError) and execution.stopped is None:  # (else done)
                 await self._cancel_timed_out(execution, context)
         finally:
             execution.finished = True
@@ -206,6 +218,9 @@ class Executor:
         def set_cancel_handler(value: Any) -> None:
             # Called from the handler, possibly in a worker thread.
             execution.cancel_handler = value
+            run, watch = execution.on_loop, self.watch
+            if run is not None and watch is not None and watch.carry_cancel_handler(run, value):
+                return
 
             def record() -> None:
                 task = asyncio.ensure_future(self._record(execution, {"cancelHandler": value}))
@@ -226,6 +241,11 @@ class Executor:
             execution.handler_task = asyncio.ensure_future(
                 handler(query.get("query"), set_cancel_handler)
             )
+        elif self.watch is not None and stoppable_from_a_thread(self.queue, str(name)):
+            value = self._run_on_loop(self.watch, execution, handler, set_cancel_handler)
+            if inspect.isawaitable(value):
+                value = await value
+            return self.queue.codecs.encode_outcome(value)
         else:
             # A sync handler runs in a thread so this loop keeps heartbeating.
             execution.handler_task = self._threads.run(
@@ -236,9 +256,7 @@ class Executor:
             value = await wait_within(execution.handler_task, self.queue.execution_timeout)
         except TimeoutError:
             execution.handler_task.cancel()
-            raise QueryTimeoutError(
-                f"Query execution timeout after {js_number(self.queue.execution_timeout / 60)} min of waiting"
-            ) from None
+            raise _timeout_error(self.queue.execution_timeout) from None
         except asyncio.CancelledError:
             if execution.cancelled and execution.handler_task.cancelled():
                 raise QueryCancelledError(CANCELLED_MESSAGE) from None
@@ -248,6 +266,53 @@ class Executor:
         if inspect.isawaitable(value):
             value = await value
         return self.queue.codecs.encode_outcome(value)
+
+    def _run_on_loop(
+        self,
+        watch: LoopRunWatch,
+        execution: _Execution,
+        handler: QueryHandler,
+        set_cancel_handler: SetCancelHandler,
+    ) -> Any:
+        """Run a sync handler on this (the loop's) thread while `watch` looks on. Stopped
+        from the watch's thread, its end, whatever it is, is that stop's error."""
+        stop = functools.partial(self._stop_on_loop, execution, asyncio.get_running_loop())
+        execution.on_loop = LoopRun(
+            execution.retrieved.queue_id, time.monotonic() + self.queue.execution_timeout, stop
+        )
+        watch.begin(execution.on_loop)
+        try:
+            value = handler(execution.retrieved.query.get("query"), set_cancel_handler)
+        except Exception:
+            if execution.stopped is None:
+                raise
+        finally:
+            watch.end()
+            execution.on_loop = None
+        if execution.stopped is not None:
+            raise execution.stopped
+        return value
+
+    def _stop_on_loop(
+        self, execution: _Execution, loop: asyncio.AbstractEventLoop, timed_out: bool
+    ) -> Outcome:
+        """From the watch's thread: stop a sync handler running on the loop's thread, as
+        `process_cancel` (a cancellation) or the execution timeout would stop one running in
+        a thread: its cancel handler is called here. The outcome its waiters get."""
+        retrieved = execution.retrieved
+        context = self._execution_context(retrieved)
+        execution.external_cancel_fired = True  # once: the loop need not notice it again
+        self.queue.events.emit(
+            ev.CANCELLING_TIMEOUT if timed_out else ev.CANCELLING_EXTERNAL, context
+        )
+        execution.stopped = (
+            _timeout_error(self.queue.execution_timeout)
+            if timed_out
+            else QueryCancelledError(CANCELLED_MESSAGE)
+        )
+        definition = {**retrieved.query, "cancelHandler": execution.cancel_handler}
+        cancel_from_a_thread(self.queue, definition, context, loop)
+        return encode_error(execution.stopped)
 
     async def _run_stream(self, execution: _Execution) -> str:
         """A stream query: its handler writes rows to a stream its waiters read here."""
@@ -410,6 +475,11 @@ class Executor:
             "newVersionEntry": flags.get("newVersionEntry"),
             "preAggregation": flags.get("preAggregation"),
         }
+
+
+def _timeout_error(seconds: float) -> QueryTimeoutError:
+    minutes = js_number(seconds / 60)
+    return QueryTimeoutError(f"Query execution timeout after {minutes} min of waiting")
 
 
 def _ms_since(started: float) -> int:

@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,11 @@ from queryqueue.supervisor import logs, loops
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.protocol import decode_retrieved, encode_retrieved
 from queryqueue.supervisor.shm import DEFAULT_THRESHOLD
+from queryqueue.supervisor.watch import CANCEL as _CANCEL
+from queryqueue.supervisor.watch import CANCEL_HANDLER as _CANCEL_HANDLER
+from queryqueue.supervisor.watch import DRAINING as _DRAINING
+from queryqueue.supervisor.watch import TIMED_OUT as _TIMED_OUT
+from queryqueue.supervisor.watch import WorkerWatch
 
 _log = logging.getLogger("queryqueue.pool")
 SPAWN_RETRY_FIRST = 0.1
@@ -56,14 +61,15 @@ SPAWN_RETRY_MAX = 5.0
 # wake-up of the loop; a slower one's outcome comes through the loop as before.
 SYNC_HANDLER_WAIT = 0.002
 
-# Messages to a worker over its pipe, by their first byte; an empty one asks it to exit.
+# Messages to a worker over its pipe, by their first byte (and _CANCEL); an empty one asks
+# it to exit.
 _JOB = b"J"
-_CANCEL = b"C"
-# From a worker, each followed by the queue id (JSON) of the query it is about. None after
-# an ACK its supervisor answered: the supervisor saw it commit, and that ends the query.
+# From a worker, each followed by the queue id (JSON) of the query it is about (and the
+# watch's: _DRAINING, a handler of it still runs, no more work till it ends; _TIMED_OUT;
+# _CANCEL_HANDLER). None after an ACK its supervisor answered: the supervisor saw it
+# commit, and that ends the query.
 _DONE = b"done"  # ended without an ACK (cancelled before it started), or drained
 _LOST = b"lost"  # its outcome could not be stored: give it back
-_DRAINING = b"draining"  # a handler thread of it still runs: no more work till it ends
 
 
 @dataclass(eq=False)
@@ -154,6 +160,11 @@ class WorkerPool:
         self._stopping = False
         self.replaced = 0
         self._cancelling: set[asyncio.Task[None]] = set()
+        # The cancel handlers the workers' watches carried (`_CANCEL_HANDLER`): merged
+        # into their items in the server's next batch (`take_notes`) when it set `noted`
+        # (a store on the loop), which asks it for that batch; else each on its own.
+        self._notes: list[tuple[QueueId, str]] = []
+        self.noted: Callable[[], None] | None = None
         self.reclaimed: list[QueueId] = []
         self.queue: QueryQueue | None = None
         self._poked = False
@@ -371,6 +382,27 @@ class WorkerPool:
         self._cancelling.add(task)
         task.add_done_callback(self._cancelling.discard)
 
+    def take_notes(self) -> list[tuple[QueueId, str]]:
+        """The cancel handlers to merge into their items (queue id, extra), taken; a
+        batch that then fails gives them back (`give_back_notes`)."""
+        notes, self._notes = self._notes, []
+        return notes
+
+    def give_back_notes(self, notes: list[tuple[QueueId, str]]) -> None:
+        self._notes[:0] = notes
+
+    @property
+    def has_notes(self) -> bool:
+        return bool(self._notes)
+
+    async def _store_for(self, worker: _Worker, call: Any, *args: Any, **kwargs: Any) -> None:
+        """What a worker's watch asked of the store (a failure is logged: the item's
+        heartbeat, reap and the worker's own ACK remain)."""
+        try:
+            await self.store.run_off_loop(call, *args, **kwargs)
+        except Exception:
+            _log.exception("%s for worker %s failed", call.__name__, worker.process.pid)
+
     def _reconcile(self) -> None:
         self._poked = False
         if self.queue is not None and not self._stopping:
@@ -577,7 +609,15 @@ class WorkerPool:
             asyncio.get_running_loop().add_reader(worker.process.sentinel, self._on_exit, worker)
             worker.watchers = [worker.process.sentinel]
             return
-        kind, queue_id = _parse_report(message)
+        kind, queue_id, text = _parse_report(message)
+        if kind == _CANCEL_HANDLER and queue_id is not None and text is not None:
+            if self.noted is None:
+                merge = self._store_for(worker, self.store.merge_extra, queue_id, text)
+                self._in_background(merge)
+            else:
+                self._notes.append((queue_id, text))
+                self.noted()
+            return
         acking = worker.acking
         if kind == _LOST and acking is not None and acking.queue_id == queue_id:
             # Its ACK, sent as its next query started, was not stored through every retry.
@@ -586,7 +626,11 @@ class WorkerPool:
             return
         job = worker.job
         ours = job is not None and job.queue_id == queue_id
-        if kind == _DRAINING:
+        if kind == _TIMED_OUT and ours and text is not None:
+            # Its handler, on the worker's loop thread, did not stop at its timeout: its
+            # waiters hear of it now, and the worker has the grace to finish it.
+            self._in_background(self._store_for(worker, self.store.cancel, queue_id, result=text))
+        if kind in (_DRAINING, _TIMED_OUT):
             worker.draining_since = asyncio.get_running_loop().time()
             if ours:  # its ACK was not answered: it is over all the same
                 worker.job = None
@@ -841,16 +885,24 @@ def _report(kind: bytes, queue_id: QueueId) -> bytes:
     return kind + orjson.dumps(queue_id)
 
 
-def _parse_report(message: bytes) -> tuple[bytes | None, QueueId | None]:
-    """A worker's report: its kind and the queue id it is about (None, None: unknown)."""
-    for kind in (_DONE, _LOST, _DRAINING):
-        if message.startswith(kind):
-            try:
-                queue_id = orjson.loads(message[len(kind) :])
-            except orjson.JSONDecodeError:
-                return None, None
-            return kind, queue_id if isinstance(queue_id, int) else None
-    return None, None
+def _parse_report(message: bytes) -> tuple[bytes | None, QueueId | None, str | None]:
+    """A worker's report: its kind, the queue id it is about and, for a _TIMED_OUT or a
+    _CANCEL_HANDLER, its text (None, None, None: unknown)."""
+    for kind in (_DONE, _LOST, _DRAINING, _TIMED_OUT, _CANCEL_HANDLER):
+        if not message.startswith(kind):
+            continue
+        try:
+            body = orjson.loads(message[len(kind) :])
+        except orjson.JSONDecodeError:
+            break
+        if kind in (_TIMED_OUT, _CANCEL_HANDLER):
+            match body:
+                case [int(queue_id), str(text)]:
+                    return kind, queue_id, text
+                case _:
+                    break
+        return kind, body if isinstance(body, int) else None, None
+    return None, None, None
 
 
 def _shown_key(query_key: Any) -> str:
@@ -940,6 +992,9 @@ async def _worker_loop(
         except (EOFError, OSError):
             gone()
             return
+        heard(message)
+
+    def heard(message: bytes) -> None:
         if message.startswith(_CANCEL):
             queue_id = orjson.loads(message[1:])
             if not queue.cancel_execution(queue_id):
@@ -947,6 +1002,8 @@ async def _worker_loop(
         else:
             arrived.put_nowait(message)
 
+    watch = WorkerWatch(conn, heard, loop)
+    queue.executor.watch = watch
     loop.add_reader(conn.fileno(), readable)
     loop.add_signal_handler(signal.SIGTERM, gone)
     if os.getppid() != supervisor:  # it died before PR_SET_PDEATHSIG was in place
@@ -963,6 +1020,13 @@ async def _worker_loop(
                 conn.send_bytes(_report(_DONE, queue_id))
                 continue
             running = await _run_to_its_ack(queue, retrieved)
+            if watch.stopped(queue_id):
+                # Cancelled or timed out while it ran on this thread: the watch told the
+                # pool it is over (so its next waits) and now it has ended.
+                reported = await running
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send_bytes(_report(_DONE if reported else _LOST, queue_id))
+                continue
             if not running.done() and not queue.handler_threads:
                 acks.add(running)
                 running.add_done_callback(functools.partial(_reported, conn, queue_id, acks))
@@ -983,6 +1047,7 @@ async def _worker_loop(
         with contextlib.suppress(ValueError, OSError):
             loop.remove_reader(conn.fileno())
         loop.remove_signal_handler(signal.SIGTERM)
+        watch.close()
         if acks:  # their answers (or their retries' end) before the connection closes
             await asyncio.gather(*acks, return_exceptions=True)
         await queue.close(grace=0)

@@ -592,6 +592,8 @@ class QueueServer:
         # Set by `--http` (metrics.py): fed from the answers; None costs nothing.
         self.metrics: Any | None = None
         self.pool = pool
+        if pool is not None and not store.blocking:
+            pool.noted = self._schedule_turn  # its workers' notes go in the next batch
         self.segments = segments or SegmentPool(
             name_prefix(socket_path), result_ttl=store.result_ttl_ms / 1000
         )
@@ -1230,8 +1232,11 @@ class QueueServer:
 
     def _execute_turn(self) -> None:
         self._turn = None
-        if (self._carried or self._inbox) and (self.store.blocking or not self._lingers()):
+        if self._has_work() and (self.store.blocking or not self._lingers()):
             self._run_turn()
+
+    def _has_work(self) -> bool:
+        return bool(self._carried or self._inbox or (self.pool is not None and self.pool.has_notes))
 
     def _lingers(self) -> bool:
         """A store on the loop: whether this turn waits for the ACKs its workers are about
@@ -1255,7 +1260,7 @@ class QueueServer:
     def _lingered(self) -> None:
         self._turn = None
         self._awaited_acks = None
-        if self._carried or self._inbox:
+        if self._has_work():
             self._run_turn()
 
     def _run_turn(self) -> None:
@@ -1530,12 +1535,17 @@ class QueueServer:
         self.store.expect((r.method, r.args, r.kwargs) for r in batch if r.refused is None)
         if self.store.blocking:  # a store on the loop reads for nothing ahead
             self._expect_retrieval(batch)
+        notes = self.pool.take_notes() if self.pool is not None and not self.store.blocking else []
         try:
+            for queue_id, extra in notes:  # the cancel handlers the workers' watches carried
+                self.store.merge_extra(queue_id, extra)
             done = self._attempt_into(batch, answers)
         except BaseException:
             # Unwound (a store runs the batch again from the start): its long polls so far
-            # wait for nothing.
+            # wait for nothing, and its notes go in the next.
             self._forget_polls((answers, None))
+            if notes and self.pool is not None:
+                self.pool.give_back_notes(notes)
             raise
         self._hand_off_as_it_commits(batch[: len(done[0])], *done)
         return done

@@ -471,11 +471,10 @@ def _sql(key: str, seconds: float) -> str:
     return orjson.dumps({"queryHandler": "sql", "query": query, "priority": 0}).decode()
 
 
-async def _started(server: QueueServer, extras: int) -> None:
-    """Until the cancel handler's extra of that many queries was answered: a worker
-    says nothing more about its query until its ACK."""
-    kinds = server.stats.kinds
-    await wait_until(lambda: "merge_extra" in kinds and kinds["merge_extra"].count == extras)
+async def _started(workdir: Path, queries: int) -> None:
+    """Until that many queries started: a worker then says nothing more about its query
+    until its ACK (the cancel handler it sets goes through the pool, not the socket)."""
+    await wait_until(lambda: len([t for t in read_trace(workdir) if t[0] == "start"]) == queries)
 
 
 _KINDS = pytest.mark.parametrize("kind", ["postgres", "sqlite"])
@@ -493,7 +492,7 @@ async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
     async with _told_lane(workdir, monkeypatch, kind) as (server, told, caller, batches):
         prefix = server.pool.prefix if server.pool is not None else ""
         first = await caller.add(f"{prefix}:first", _sql("first", 0.5))
-        await _started(server, 1)
+        await _started(workdir, 1)
         told.until = 60.0  # waits for the first query's ACK, whenever it comes
         second = await caller.add(f"{prefix}:second", _sql("second", 0))
         answered = time.monotonic()
@@ -504,7 +503,7 @@ async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
         assert second.added
 
         await caller.add(f"{prefix}:busy", _sql("busy", 1))
-        await _started(server, 3)  # first, second, busy: the pool has no idle worker
+        await _started(workdir, 3)  # first, second, busy: the pool has no idle worker
         told.awaited, told.until = {10**9}, 0.3  # an ACK that never comes
         began = time.monotonic()
         third = await caller.add(f"{prefix}:third", _sql("third", 0))
@@ -516,13 +515,13 @@ async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
 
 
 async def _lingering_for_long(
-    server: QueueServer, told: _Told, caller: SocketQueueDriver
+    workdir: Path, server: QueueServer, told: _Told, caller: SocketQueueDriver
 ) -> tuple[str, Any, asyncio.Future[Any]]:
     """The pool's prefix, a 5 s query running there, and an ADD whose batch waits for its
     ACK (told: a minute)."""
     prefix = (server.pool.prefix if server.pool is not None else None) or ""
     long = await caller.add(f"{prefix}:long", _sql("long", 5))
-    await _started(server, 1)
+    await _started(workdir, 1)
     told.awaited, told.until = {long.id}, 60.0
     adding = asyncio.ensure_future(caller.add(f"{prefix}:next", _sql("next", 0)))
     await wait_until(lambda: bool(server._lingering or server._awaited_acks))
@@ -537,7 +536,7 @@ async def test_on_sqlite_a_turn_never_lingers_while_a_worker_is_idle(
     async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, told, caller, _):
         prefix = server.pool.prefix if server.pool is not None else ""
         await caller.add(f"{prefix}:first", _sql("first", 30))
-        await _started(server, 1)
+        await _started(workdir, 1)
         told.until = 60.0
         second = await asyncio.wait_for(caller.add(f"{prefix}:second", _sql("second", 0)), 3)
         assert second.added and server._awaited_acks is None
@@ -555,7 +554,7 @@ async def test_a_batch_stops_waiting_for_a_worker_that_waits_for_it(
     from tests.trace import read_trace
 
     async with _told_lane(workdir, monkeypatch, kind) as (server, told, caller, batches):
-        prefix, long, adding = await _lingering_for_long(server, told, caller)
+        prefix, long, adding = await _lingering_for_long(workdir, server, told, caller)
         assert not adding.done()
         got = await caller.get(long.id)
         added = await asyncio.wait_for(adding, 30)
@@ -572,7 +571,7 @@ async def test_a_stopping_server_runs_a_lingering_batch_at_once(
     """Stopping does not wait out a linger (its deadline here a minute away): the batch
     runs, and its ADD is answered, before the server has stopped."""
     async with _told_lane(workdir, monkeypatch, kind) as (server, told, caller, _):
-        *_, adding = await _lingering_for_long(server, told, caller)
+        *_, adding = await _lingering_for_long(workdir, server, told, caller)
         await asyncio.wait_for(server.stop(), 30)
         added = await asyncio.wait_for(adding, 5)
         assert added.added
@@ -814,7 +813,7 @@ async def test_on_sqlite_an_acks_freed_slot_is_filled_before_the_rest_of_its_bat
             await caller.add(f"{prefix}:first", _sql("first", 1.0))
             await caller.add(f"{prefix}:long", _sql("long", 30))
             await caller.add(f"{prefix}:queued", _sql("queued", 0))
-            await _started(server, 2)
+            await _started(workdir, 2)
             submit, add, execute_turn = pool.submit, store.add, server._execute_turn
 
             def submitting(to: str, retrieved: Any) -> None:

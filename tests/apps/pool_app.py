@@ -4,6 +4,7 @@ they ran, in the file named by $POOL_TRACE."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -42,7 +43,9 @@ async def loop_kind(query: Any, set_cancel_handler: Any) -> str:
 
 @app.cancel_handler("sql")
 def cancel(definition: dict[str, Any]) -> None:
-    _trace("cancel", definition["query"]["key"], os.getpid(), time.monotonic())
+    # Last: the pid its handler set as its cancel handler (where it ran), as this got it.
+    recorded = (definition.get("cancelHandler") or {}).get("pid")
+    _trace("cancel", definition["query"]["key"], os.getpid(), time.monotonic(), recorded)
 
 
 @app.stream
@@ -85,6 +88,27 @@ def cancel_stubborn(definition: dict[str, Any]) -> None:
     _trace("cancel", definition["query"]["key"], os.getpid(), time.monotonic())
 
 
+_given_up = threading.Event()
+
+
+@app.handler("polite")
+def polite(query: Any, set_cancel_handler: Any) -> str:
+    """Runs until its cancel handler tells it to stop, as an interrupted statement does;
+    traces the thread it ran on."""
+    _given_up.clear()
+    set_cancel_handler({"pid": os.getpid()})
+    _trace("start", query["key"], os.getpid(), time.monotonic(), threading.current_thread().name)
+    if _given_up.wait(query.get("seconds", 60)):
+        raise RuntimeError("interrupted")
+    return "finished"
+
+
+@app.cancel_handler("polite")
+def cancel_polite(definition: dict[str, Any]) -> None:
+    _trace("cancel", definition["query"]["key"], os.getpid(), time.monotonic())
+    _given_up.set()
+
+
 def big_text(size: int, seed: str) -> str:
     """`size` characters the caller can re-create to check what arrived."""
     block = "".join(f"{seed}:{i:08d};" for i in range(4096))
@@ -122,6 +146,8 @@ short = QueueApp(
 )
 short.handler("sql")(run)
 short.cancel_handler("sql")(cancel)
+short.handler("polite")(polite)
+short.cancel_handler("polite")(cancel_polite)
 
 # One query at a time: one running query leaves a pool of one worker no idle slot.
 single = QueueApp(

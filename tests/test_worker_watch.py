@@ -1,0 +1,296 @@
+"""A pool worker's watch over the sync handler it runs on its loop's thread
+(supervisor/watch.py): on its own with a pipe, then in workers of a real supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+import orjson
+import pytest
+
+from queryqueue import ContinueWaitError, SocketQueueDriver
+from queryqueue.engine.errors import QueryError
+from queryqueue.engine.loop_run import LoopRun
+from queryqueue.supervisor.watch import CANCEL, CANCEL_HANDLER, DRAINING, TIMED_OUT, WorkerWatch
+from tests.supervisor_util import SupervisorProcess, start_supervisor
+from tests.trace import read_trace
+from tests.waiting import wait_until
+
+OUTCOME = '{"error": "stopped"}'
+
+
+class _Stops:
+    """A run's `stop`: what it was called with, and on which thread."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, int]] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def __call__(self, timed_out: bool) -> str:
+        self.calls.append((timed_out, threading.get_ident()))
+        self.release.wait(20)
+        return OUTCOME
+
+
+class _Pipe:
+    """A worker's pipe: `pool` is the pool's end; the watch reads and writes the other."""
+
+    def __init__(self) -> None:
+        self.pool, self.worker = multiprocess.Pipe()
+        self.heard: list[bytes] = []  # what the watch passed to the loop, in order
+
+
+@pytest.fixture
+async def pipe() -> AsyncIterator[tuple[_Pipe, WorkerWatch]]:
+    ends = _Pipe()
+    watch = WorkerWatch(
+        ends.worker, ends.heard.append, asyncio.get_running_loop(), tick=0.005, park_after=0.1
+    )
+    try:
+        yield ends, watch
+    finally:
+        watch.close()
+        ends.pool.close()
+        ends.worker.close()
+
+
+def _run(queue_id: int, stops: _Stops, seconds: float = 60.0) -> LoopRun:
+    return LoopRun(queue_id, time.monotonic() + seconds, stops)
+
+
+async def _received(end: Any) -> bytes:
+    await wait_until(lambda: end.poll(0), what="a message on the pipe")
+    return bytes(end.recv_bytes())
+
+
+async def test_a_cancel_of_the_run_is_carried_out_from_the_watchs_thread(
+    pipe: tuple[_Pipe, WorkerWatch],
+) -> None:
+    """What comes before it goes to the loop in order; the run is stopped on the watch's
+    thread and the pool told it is over; what comes after it stays in the pipe for the
+    loop's own read once the run has ended."""
+    ends, watch = pipe
+    stops = _Stops()
+    watch.begin(_run(7, stops))
+    ends.pool.send_bytes(b"J1")
+    ends.pool.send_bytes(CANCEL + b"8")  # another item's (one sent ahead): the loop's
+    ends.pool.send_bytes(CANCEL + b"7")
+    ends.pool.send_bytes(b"J2")
+    assert await _received(ends.pool) == DRAINING + b"7"
+    assert [timed_out for timed_out, _ in stops.calls] == [False]
+    assert stops.calls[0][1] != threading.get_ident()
+    looks = watch.looks
+    await wait_until(lambda: watch.looks >= looks + 3, what="the watch looking on")
+    watch.end()
+    await wait_until(lambda: len(ends.heard) == 2)
+    assert ends.heard == [b"J1", CANCEL + b"8"]
+    assert ends.worker.poll(0) and ends.worker.recv_bytes() == b"J2"  # never read there
+    assert len(stops.calls) == 1 and watch.stopped(7)
+
+
+async def test_a_run_past_its_deadline_is_timed_out_once(
+    pipe: tuple[_Pipe, WorkerWatch],
+) -> None:
+    ends, watch = pipe
+    stops = _Stops()
+    watch.begin(_run(3, stops, seconds=0.05))
+    message = await _received(ends.pool)
+    assert message.startswith(TIMED_OUT)
+    assert orjson.loads(message[len(TIMED_OUT) :]) == [3, OUTCOME]
+    ends.pool.send_bytes(CANCEL + b"3")  # late: the run is stopped already
+    looks = watch.looks
+    await wait_until(lambda: watch.looks >= looks + 3, what="the watch looking on")
+    watch.end()
+    assert stops.calls and [timed_out for timed_out, _ in stops.calls] == [True]
+    assert ends.worker.recv_bytes() == CANCEL + b"3"
+    assert not ends.pool.poll(0) and watch.stopped(3) and not watch.stopped(4)
+
+
+async def test_end_waits_for_a_stop_in_progress(pipe: tuple[_Pipe, WorkerWatch]) -> None:
+    """The cancel handler runs while the run is current: a handler that ends meanwhile
+    does not go on to its next query (whose statement the cancel could interrupt)."""
+    ends, watch = pipe
+    stops = _Stops()
+    stops.release.clear()
+    watch.begin(_run(5, stops))
+    ends.pool.send_bytes(CANCEL + b"5")
+    await wait_until(lambda: stops.calls, what="the stop under way")
+    ending = threading.Thread(target=watch.end)
+    ending.start()
+    ending.join(0.2)
+    assert ending.is_alive()  # held until the stop is done
+    stops.release.set()
+    ending.join(10)
+    assert not ending.is_alive()
+    assert await _received(ends.pool) == DRAINING + b"5"
+
+
+async def test_a_parked_watch_wakes_for_the_next_run(pipe: tuple[_Pipe, WorkerWatch]) -> None:
+    ends, watch = pipe
+    await wait_until(lambda: watch._parked, what="the watch parked, no query begun")
+    looks = watch.looks
+    stops = _Stops()
+    watch.begin(_run(9, stops, seconds=0.05))
+    message = await _received(ends.pool)
+    watch.end()
+    assert message.startswith(TIMED_OUT) and watch.looks > looks
+
+
+async def test_the_cancel_handler_is_carried_to_the_pool(
+    pipe: tuple[_Pipe, WorkerWatch],
+) -> None:
+    ends, watch = pipe
+    run = _run(11, _Stops())
+    watch.begin(run)
+    assert watch.carry_cancel_handler(run, {"pid": 42})
+    message = await _received(ends.pool)
+    assert message.startswith(CANCEL_HANDLER)
+    queue_id, extra = orjson.loads(message[len(CANCEL_HANDLER) :])
+    assert (queue_id, orjson.loads(extra)) == (11, {"cancelHandler": {"pid": 42}})
+    assert not watch.carry_cancel_handler(run, object())  # not JSON: not carried
+    watch.end()
+    assert not ends.pool.poll(0)
+
+
+# -- in a supervisor's workers -----------------------------------------------------------------
+
+
+def _short_pool(workdir: Path, *options: str) -> SupervisorProcess:
+    return start_supervisor(
+        workdir / "queue.db",
+        workdir / "s.sock",
+        "--app",
+        "tests.apps.pool_app:short",
+        "--workers",
+        "1",
+        *options,
+    )
+
+
+async def _ask(queue: Any, handler: str, key: str, query: Any) -> Any:
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            return await queue.execute_in_queue(handler, key, query)
+        except ContinueWaitError:
+            assert time.monotonic() < deadline, f"no result for {key}"
+
+
+async def test_a_timed_out_handler_that_runs_on_fails_for_its_waiters_at_its_timeout(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timeout 0.5 s, grace 60 s, a handler that sleeps through its cancel on the worker's
+    loop thread: the waiter hears of the timeout from the worker's watch (through the
+    pool) at once, not from the supervisor a grace later."""
+    from tests.apps.pool_app import short
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = _short_pool(workdir, "--cancel-grace", "60")
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = short.pool_queue(driver)
+    try:
+        asked_at = time.monotonic()
+        with pytest.raises(QueryError, match=r"Query execution timeout after .* min of waiting"):
+            await _ask(queue, "sql", "slow", {"key": "slow", "seconds": 30})
+        assert time.monotonic() - asked_at < 20
+        (start,) = [t for t in read_trace(workdir) if t[0] == "start"]
+        await wait_until(
+            lambda: ["cancel", "slow", start[2]] in [t[:3] for t in read_trace(workdir)],
+            what="the cancel handler, in the worker",
+        )
+        assert not [t for t in read_trace(workdir) if t[:2] == ["end", "slow"]]  # runs on
+        assert (await driver.stats())["pool"]["terminated"] == 0  # within its grace
+    finally:
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+async def test_a_handler_that_heeds_its_cancel_keeps_its_worker(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The handler runs on the worker's loop thread; its cancel handler, called from the
+    watch's thread, makes it stop: the worker is not terminated and runs the next query."""
+    from tests.apps.pool_app import short
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = _short_pool(workdir, "--cancel-grace", "60")
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = short.pool_queue(driver, continue_wait_timeout=0.2)
+    seconds = 30 if how == "cancel" else 0.0  # 0: the app's execution timeout
+    asking = asyncio.ensure_future(
+        _ask(queue, "polite", "p", {"key": "p", **({"seconds": seconds} if seconds else {})})
+    )
+    try:
+        await wait_until(lambda: [t for t in read_trace(workdir) if t[:2] == ["start", "p"]])
+        (start,) = [t for t in read_trace(workdir) if t[:2] == ["start", "p"]]
+        assert start[4] == "MainThread"  # the worker's loop thread
+        if how == "cancel":
+            (item,) = await driver.list_items(queue.prefix)
+            assert await driver.cancel(item.queue_id) is not None
+            await asyncio.gather(asking, return_exceptions=True)
+        else:
+            with pytest.raises(QueryError, match="Query execution timeout"):
+                await asking
+        await wait_until(
+            lambda: ["cancel", "p", start[2]] in [t[:3] for t in read_trace(workdir)],
+            what="the cancel handler, in the worker",
+        )
+        answer = await _ask(queue, "sql", "next", {"key": "next", "seconds": 0})
+        assert answer["pid"] == int(start[2])
+        assert (await driver.stats())["pool"]["terminated"] == 0
+    finally:
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
+
+
+async def test_a_killed_workers_item_is_reclaimed_with_the_cancel_handler_its_query_set(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel handler a query sets while it runs on the worker's loop thread reaches
+    its item at once (the loop could not send it): after a kill -9, the supervisor calls
+    the cancel handler with it."""
+    from queryqueue.engine.connection import decode_def
+    from tests.apps.pool_app import app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    supervisor = start_supervisor(
+        workdir / "queue.db", workdir / "s.sock", "--app", "tests.apps.pool_app:app"
+    )
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = app.pool_queue(driver, continue_wait_timeout=0.2)
+    path = f"{queue.prefix}:{queue.hash_query_key('k')}"
+    asking = asyncio.ensure_future(_ask(queue, "sql", "k", {"key": "k", "seconds": 60}))
+
+    async def recorded() -> Any:
+        definition = decode_def(await driver.get(path))
+        return (definition or {}).get("cancelHandler")
+
+    try:
+        await wait_until(recorded, within=30, what="the cancel handler recorded")
+        victim = (await recorded())["pid"]
+        os.kill(victim, signal.SIGKILL)
+        await wait_until(
+            lambda: [t for t in read_trace(workdir) if t[:2] == ["cancel", "k"]], what="reclaim"
+        )
+        (cancelled,) = [t for t in read_trace(workdir) if t[:2] == ["cancel", "k"]]
+        assert int(cancelled[2]) == supervisor.pid and cancelled[4] == str(victim)
+    finally:
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
