@@ -4,20 +4,24 @@
     python -m benchmarks.executor_bench --quick    # CI-sized
 
 `Executor.execute_query` from a retrieved item to its stored ACK, on the in-memory store
-and the loop a worker runs (uvloop where installed), for three handlers: a sync one whose
+and the loop a worker runs (uvloop where installed), for four handlers: a sync one whose
 outcome comes back through the loop's wake-up (any process but a pool's worker), the same
-waited for on the spot (a pool's worker: `SYNC_HANDLER_WAIT`), and an async one (no
-thread: the floor). CPU of the whole process (the handler's thread included) a query,
+waited for on the spot (`SYNC_HANDLER_WAIT`: a pool's worker, for a handler whose cancel
+handler is async), the same run on the loop's thread under a `WorkerWatch` (a pool's
+worker), and an async one (no thread). CPU of the whole process (the handler's thread included) a query,
 median of the repetitions (min-max), the subjects alternating within each round. Prints
 a table and writes JSON; asserts nothing about speed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import platform
 import statistics
 import time
 from typing import Any
+
+import multiprocess
 
 from benchmarks import micro
 from queryqueue.engine.memory_store import MemoryQueueStore
@@ -25,6 +29,7 @@ from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.supervisor import loops
 from queryqueue.supervisor.pool import SYNC_HANDLER_WAIT
+from queryqueue.supervisor.watch import WorkerWatch
 
 PAYLOAD = '{"queryHandler": "noop", "query": 1}'
 CHUNK = 250
@@ -38,20 +43,25 @@ async def _async_noop(query: Any, set_cancel_handler: Any) -> int:
     return 1
 
 
-SUBJECTS: dict[str, tuple[Any, float]] = {
-    "sync, through the loop": (_sync_noop, 0.0),
-    "sync, on the spot (pool worker)": (_sync_noop, SYNC_HANDLER_WAIT),
-    "async (no thread)": (_async_noop, 0.0),
+# handler, the wait on the spot, and whether it runs on the loop's thread, watched
+SUBJECTS: dict[str, tuple[Any, float, bool]] = {
+    "sync, through the loop": (_sync_noop, 0.0, False),
+    "sync, on the spot": (_sync_noop, SYNC_HANDLER_WAIT, False),
+    "sync, on the loop (pool worker)": (_sync_noop, 0.0, True),
+    "async (no thread)": (_async_noop, 0.0, False),
 }
 
 
-async def _one_round(handler: Any, wait: float, n: int) -> float:
+async def _one_round(handler: Any, wait: float, watched: bool, n: int) -> float:
     """CPU microseconds a query over `n` executions on a fresh queue."""
     store = MemoryQueueStore()
     queue = QueryQueue(
         "bench", query_handlers={"noop": handler}, driver=store, reconcile=False, concurrency=CHUNK
     )
     queue.executor.sync_handler_wait = wait
+    pool_end, worker_end = multiprocess.Pipe()
+    if watched:
+        queue.executor.watch = WorkerWatch(worker_end, lambda _: None, asyncio.get_running_loop())
     spent = 0.0
     try:
         for start in range(0, n, CHUNK):
@@ -69,15 +79,19 @@ async def _one_round(handler: Any, wait: float, n: int) -> float:
         return spent / n * 1e6
     finally:
         await queue.close(grace=0)
+        if isinstance(queue.executor.watch, WorkerWatch):
+            queue.executor.watch.close()
+        pool_end.close()
+        worker_end.close()
 
 
 async def _rounds(n: int, repetitions: int) -> dict[str, list[float]]:
-    for handler, wait in SUBJECTS.values():  # warm-up: threads started, code paths hot
-        await _one_round(handler, wait, min(n, 200))
+    for handler, wait, watched in SUBJECTS.values():  # warm-up: threads started, code hot
+        await _one_round(handler, wait, watched, min(n, 200))
     measured: dict[str, list[float]] = {name: [] for name in SUBJECTS}
     for _ in range(repetitions):
-        for name, (handler, wait) in SUBJECTS.items():
-            measured[name].append(await _one_round(handler, wait, n))
+        for name, (handler, wait, watched) in SUBJECTS.items():
+            measured[name].append(await _one_round(handler, wait, watched, n))
     return measured
 
 

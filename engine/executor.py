@@ -12,8 +12,7 @@ import functools
 import inspect
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from queryqueue.engine import events as ev
@@ -29,6 +28,7 @@ from queryqueue.engine.errors import (
     StoreError,
     SupervisorUnavailableError,
 )
+from queryqueue.engine.execution import Execution, execution_context
 from queryqueue.engine.handlers import QueryHandler, SetCancelHandler
 from queryqueue.engine.hashing import js_number
 from queryqueue.engine.loop_run import (
@@ -51,21 +51,6 @@ ACK_RETRY_FIRST = 0.05
 ACK_RETRY_MAX = 2.0
 
 
-@dataclass(eq=False)
-class _Execution:
-    """One query executing in this process."""
-
-    retrieved: RetrievedQuery
-    cancel_handler: Any = None
-    cancelled: bool = False  # cancelled from outside: the handler's end is not an error of its own
-    stopped: Exception | None = None  # its error, stopped while it ran on the loop's thread
-    on_loop: LoopRun | None = None  # its sync handler runs on the loop's thread now
-    external_cancel_fired: bool = False
-    finished: bool = False  # the handler is done: the heartbeat loop must end
-    handler_task: asyncio.Future[Any] | None = None
-    side_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-
-
 class Executor:
     """Runs the queries a `QueryQueue` hands to this process, to their ACK."""
 
@@ -81,7 +66,7 @@ class Executor:
 
     def __init__(self, queue: QueryQueue) -> None:
         self.queue = queue
-        self.executions: dict[QueueId, _Execution] = {}
+        self.executions: dict[QueueId, Execution] = {}
         self._threads_lock = threading.Lock()
         self._threads_done = threading.Condition(self._threads_lock)
         self._handler_threads = 0
@@ -96,8 +81,8 @@ class Executor:
         called once the outcome is known and its ACK goes out (before its answer): a
         caller running one query at a time may start its next then."""
         query_key_hash, queue_id = retrieved.query_key_hash, retrieved.queue_id
-        context = self._execution_context(retrieved)
-        execution = _Execution(retrieved)
+        context = execution_context(self.queue.prefix, retrieved)
+        execution = Execution(retrieved)
         self.executions[queue_id] = execution
         try:
             result = await self._outcome(execution, context)
@@ -130,7 +115,7 @@ class Executor:
             None,
         )
 
-    async def _outcome(self, execution: _Execution, context: dict[str, Any]) -> Outcome:
+    async def _outcome(self, execution: Execution, context: dict[str, Any]) -> Outcome:
         """Run the handler, heartbeating meanwhile; its outcome as the JSON text to ACK."""
         retrieved = execution.retrieved
         query = retrieved.query
@@ -147,7 +132,10 @@ class Executor:
             ev.PERFORMING_QUERY,
             {**context, "timeInQueue": start - query.get("addedToQueueTime", start)},
         )
-        heartbeat = asyncio.ensure_future(self._heartbeat(execution, context))
+        # A handler on the loop's thread leaves no turn to beat in: the pool that handed
+        # the item over beats it.
+        on_loop = self._runs_on_loop(str(query.get("queryHandler")))
+        heartbeat = None if on_loop else asyncio.ensure_future(self._heartbeat(execution, context))
         started = time.monotonic()
         try:
             result = await self._run_handler(execution)
@@ -168,13 +156,14 @@ class Executor:
             execution.finished = True
             # Not waited for: cancelled at a sleep it sends nothing more, and one in flight
             # went out before the ACK either way (waiting cost the ACK two loop turns).
-            heartbeat.cancel()
-            heartbeat.add_done_callback(_quietly)
+            if heartbeat is not None:
+                heartbeat.cancel()
+                heartbeat.add_done_callback(_quietly)
             if execution.side_tasks:
                 await asyncio.gather(*execution.side_tasks, return_exceptions=True)
         return result
 
-    async def _cancel_timed_out(self, execution: _Execution, context: dict[str, Any]) -> None:
+    async def _cancel_timed_out(self, execution: Execution, context: dict[str, Any]) -> None:
         retrieved = execution.retrieved
         conn = self.queue.connection
         current = await conn.get_query_def(retrieved.query_key_hash, retrieved.queue_id)
@@ -208,7 +197,7 @@ class Executor:
                 await self.queue.clock.sleep(delay)
                 waited, delay = waited + delay, min(delay * 2, ACK_RETRY_MAX)
 
-    async def _run_handler(self, execution: _Execution) -> Outcome:
+    async def _run_handler(self, execution: Execution) -> Outcome:
         """Run the handler; its result as the JSON text (or binary result) to ACK with."""
         retrieved = execution.retrieved
         query = retrieved.query
@@ -241,7 +230,7 @@ class Executor:
             execution.handler_task = asyncio.ensure_future(
                 handler(query.get("query"), set_cancel_handler)
             )
-        elif self.watch is not None and stoppable_from_a_thread(self.queue, str(name)):
+        elif self.watch is not None and self._runs_on_loop(str(name)):
             value = self._run_on_loop(self.watch, execution, handler, set_cancel_handler)
             if inspect.isawaitable(value):
                 value = await value
@@ -267,10 +256,19 @@ class Executor:
             value = await value
         return self.queue.codecs.encode_outcome(value)
 
+    def _runs_on_loop(self, name: str) -> bool:
+        handler = self.queue.query_handlers.get(name)
+        return (
+            self.watch is not None
+            and handler is not None
+            and not inspect.iscoroutinefunction(handler)
+            and stoppable_from_a_thread(self.queue, name)
+        )
+
     def _run_on_loop(
         self,
         watch: LoopRunWatch,
-        execution: _Execution,
+        execution: Execution,
         handler: QueryHandler,
         set_cancel_handler: SetCancelHandler,
     ) -> Any:
@@ -294,13 +292,13 @@ class Executor:
         return value
 
     def _stop_on_loop(
-        self, execution: _Execution, loop: asyncio.AbstractEventLoop, timed_out: bool
+        self, execution: Execution, loop: asyncio.AbstractEventLoop, timed_out: bool
     ) -> Outcome:
         """From the watch's thread: stop a sync handler running on the loop's thread, as
         `process_cancel` (a cancellation) or the execution timeout would stop one running in
         a thread: its cancel handler is called here. The outcome its waiters get."""
         retrieved = execution.retrieved
-        context = self._execution_context(retrieved)
+        context = execution_context(self.queue.prefix, retrieved)
         execution.external_cancel_fired = True  # once: the loop need not notice it again
         self.queue.events.emit(
             ev.CANCELLING_TIMEOUT if timed_out else ev.CANCELLING_EXTERNAL, context
@@ -314,7 +312,7 @@ class Executor:
         cancel_from_a_thread(self.queue, definition, context, loop)
         return encode_error(execution.stopped)
 
-    async def _run_stream(self, execution: _Execution) -> str:
+    async def _run_stream(self, execution: Execution) -> str:
         """A stream query: its handler writes rows to a stream its waiters read here."""
         retrieved = execution.retrieved
         query = retrieved.query
@@ -367,7 +365,7 @@ class Executor:
         with self._threads_lock:
             return self._handler_threads
 
-    async def _record(self, execution: _Execution, patch: dict[str, Any]) -> None:
+    async def _record(self, execution: Execution, patch: dict[str, Any]) -> None:
         """Merge `patch` into the item's extra; a failure is logged, not raised."""
         retrieved = execution.retrieved
         try:
@@ -376,10 +374,11 @@ class Executor:
             )
         except Exception as exc:
             self.queue.events.emit(
-                ev.ERROR_QUERY_UPDATE, {**self._execution_context(retrieved), "error": repr(exc)}
+                ev.ERROR_QUERY_UPDATE,
+                {**execution_context(self.queue.prefix, retrieved), "error": repr(exc)},
             )
 
-    async def _heartbeat(self, execution: _Execution, context: dict[str, Any]) -> None:
+    async def _heartbeat(self, execution: Execution, context: dict[str, Any]) -> None:
         retrieved = execution.retrieved
         conn = self.queue.connection
         clock = self.queue.clock
@@ -414,12 +413,14 @@ class Executor:
         self.queue._spawn(self._cancel_external(execution))
         return True
 
-    async def _cancel_external(self, execution: _Execution) -> None:
+    async def _cancel_external(self, execution: Execution) -> None:
         if execution.external_cancel_fired:  # once, whoever notices first
             return
         execution.external_cancel_fired = True
         retrieved = execution.retrieved
-        self.queue.events.emit(ev.CANCELLING_EXTERNAL, self._execution_context(retrieved))
+        self.queue.events.emit(
+            ev.CANCELLING_EXTERNAL, execution_context(self.queue.prefix, retrieved)
+        )
         await self.process_cancel(
             {**retrieved.query, "cancelHandler": execution.cancel_handler}, retrieved.queue_id
         )
@@ -457,24 +458,6 @@ class Executor:
         finally:
             if running_here and task is not None:
                 task.cancel()
-
-    def _execution_context(self, retrieved: RetrievedQuery) -> dict[str, Any]:
-        query = retrieved.query
-        inner = query.get("query")
-        flags: Mapping[str, Any] = inner if isinstance(inner, Mapping) else {}
-        return {
-            "queueId": retrieved.queue_id,
-            "processingId": retrieved.processing_id,
-            "queryKey": query.get("queryKey"),
-            "queuePrefix": self.queue.prefix,
-            "requestId": query.get("requestId"),
-            "queueSize": retrieved.queue_size,
-            "addedToQueueTime": query.get("addedToQueueTime"),
-            "metadata": flags.get("metadata"),
-            "preAggregationId": None,
-            "newVersionEntry": flags.get("newVersionEntry"),
-            "preAggregation": flags.get("preAggregation"),
-        }
 
 
 def _timeout_error(seconds: float) -> QueryTimeoutError:
