@@ -55,10 +55,11 @@ _log = logging.getLogger("queryqueue.pool")
 SPAWN_RETRY_FIRST = 0.1
 SPAWN_RETRY_MAX = 5.0
 
-# How long a worker's loop waits on the spot for its sync handler's outcome (the worker
-# runs one query at a time: meanwhile its loop only heartbeats, reads cancels and records
-# what the handler sends, each then that much later). A handler done within it costs no
-# wake-up of the loop; a slower one's outcome comes through the loop as before.
+# How long a worker's loop waits on the spot for the outcome of a sync handler that runs
+# in a thread, not on the loop's (its cancel handler is async: `Executor.watch`). The
+# worker runs one query at a time: meanwhile its loop only heartbeats, reads cancels and
+# records what the handler sends, each then that much later. A handler done within it
+# costs no wake-up of the loop; a slower one's outcome comes through the loop as before.
 SYNC_HANDLER_WAIT = 0.002
 
 # Messages to a worker over its pipe, by their first byte (and _CANCEL); an empty one asks
@@ -382,6 +383,14 @@ class WorkerPool:
         self._cancelling.add(task)
         task.add_done_callback(self._cancelling.discard)
 
+    def note(self, queue_id: QueueId, extra: str) -> None:
+        """Merge `extra` into the item: in the server's next batch if it takes notes."""
+        if self.noted is None:
+            self._in_background(self._store_for(self.store.merge_extra, queue_id, extra))
+        else:
+            self._notes.append((queue_id, extra))
+            self.noted()
+
     def take_notes(self) -> list[tuple[QueueId, str]]:
         """The cancel handlers to merge into their items (queue id, extra), taken; a
         batch that then fails gives them back (`give_back_notes`)."""
@@ -395,13 +404,13 @@ class WorkerPool:
     def has_notes(self) -> bool:
         return bool(self._notes)
 
-    async def _store_for(self, worker: _Worker, call: Any, *args: Any, **kwargs: Any) -> None:
+    async def _store_for(self, call: Any, queue_id: QueueId, *args: Any, **kwargs: Any) -> None:
         """What a worker's watch asked of the store (a failure is logged: the item's
         heartbeat, reap and the worker's own ACK remain)."""
         try:
-            await self.store.run_off_loop(call, *args, **kwargs)
+            await self.store.run_off_loop(call, queue_id, *args, **kwargs)
         except Exception:
-            _log.exception("%s for worker %s failed", call.__name__, worker.process.pid)
+            _log.exception("%s for queue item %s failed", call.__name__, queue_id)
 
     def _reconcile(self) -> None:
         self._poked = False
@@ -611,12 +620,7 @@ class WorkerPool:
             return
         kind, queue_id, text = _parse_report(message)
         if kind == _CANCEL_HANDLER and queue_id is not None and text is not None:
-            if self.noted is None:
-                merge = self._store_for(worker, self.store.merge_extra, queue_id, text)
-                self._in_background(merge)
-            else:
-                self._notes.append((queue_id, text))
-                self.noted()
+            self.note(queue_id, text)
             return
         acking = worker.acking
         if kind == _LOST and acking is not None and acking.queue_id == queue_id:
@@ -626,10 +630,10 @@ class WorkerPool:
             return
         job = worker.job
         ours = job is not None and job.queue_id == queue_id
-        if kind == _TIMED_OUT and ours and text is not None:
+        if kind == _TIMED_OUT and job is not None and ours and text is not None:
             # Its handler, on the worker's loop thread, did not stop at its timeout: its
             # waiters hear of it now, and the worker has the grace to finish it.
-            self._in_background(self._store_for(worker, self.store.cancel, queue_id, result=text))
+            self._in_background(self._store_for(self.store.cancel, job.queue_id, result=text))
         if kind in (_DRAINING, _TIMED_OUT):
             worker.draining_since = asyncio.get_running_loop().time()
             if ours:  # its ACK was not answered: it is over all the same

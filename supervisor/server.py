@@ -1538,7 +1538,7 @@ class QueueServer:
         notes = self.pool.take_notes() if self.pool is not None and not self.store.blocking else []
         try:
             for queue_id, extra in notes:  # the cancel handlers the workers' watches carried
-                self.store.merge_extra(queue_id, extra)
+                self._merge_note(queue_id, extra)
             done = self._attempt_into(batch, answers)
         except BaseException:
             # Unwound (a store runs the batch again from the start): its long polls so far
@@ -1549,6 +1549,16 @@ class QueueServer:
             raise
         self._hand_off_as_it_commits(batch[: len(done[0])], *done)
         return done
+
+    def _merge_note(self, queue_id: QueueId, extra: str) -> None:
+        """A worker's note in this batch; one the store refuses is dropped (logged), not
+        the batch's failure (a StoreError is: the batch, and the note, run again)."""
+        try:
+            self.store.merge_extra(queue_id, extra)
+        except QueueError as exc:
+            if isinstance(exc, StoreError):
+                raise
+            _log.warning("a worker's note for queue item %s was refused: %s", queue_id, exc)
 
     def _hand_off_as_it_commits(
         self,
