@@ -36,8 +36,9 @@ class LoopRunWatch(Protocol):
         """It is over: once this returns, nothing more is done to it from outside."""
 
     def carry_cancel_handler(self, run: LoopRun, value: Any) -> bool:
-        """Record the handler's cancel handler with its item now (called on the loop's
-        thread); False: this watch cannot (then it is recorded once the loop runs)."""
+        """Record the handler's cancel handler with its item now (called from the handler,
+        on whatever thread it calls from); False: this watch cannot (then it is recorded
+        once the loop runs)."""
 
 
 @dataclass(eq=False)

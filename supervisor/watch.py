@@ -21,6 +21,7 @@ a tick, whatever their rate), and parks once none has begun for a while.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ DRAINING = b"draining"  # over for the pool, but a handler of it still runs
 TIMED_OUT = b"timeout"  # [queue id, outcome]: as DRAINING, and fail it with the outcome
 CANCEL_HANDLER = b"canceller"  # [queue id, extra]: merge into the item's extra
 
+_log = logging.getLogger("queryqueue.worker")
 TICK = 0.02  # seconds between looks at a running query: its cancel's and timeout's delay
 PARK_AFTER = 1.0  # seconds without a query begun before the watch stops ticking
 
@@ -119,7 +121,10 @@ class WorkerWatch:
                 run = self._run
                 if run is not None:
                     self.looks += 1
-                    self._look(run)
+                    try:
+                        self._look(run)
+                    except Exception:  # this thread must outlive a bug: the next run needs it
+                        _log.exception("the watch of queue item %s failed", run.queue_id)
                     continue
             if self._begun != seen:
                 seen, quiet_since = self._begun, time.monotonic()

@@ -145,6 +145,25 @@ async def test_a_parked_watch_wakes_for_the_next_run(pipe: tuple[_Pipe, WorkerWa
     assert message.startswith(TIMED_OUT) and watch.looks > looks
 
 
+async def test_a_failing_stop_leaves_the_watch_watching_the_next_run(
+    pipe: tuple[_Pipe, WorkerWatch],
+) -> None:
+    ends, watch = pipe
+
+    def broken(timed_out: bool) -> str:
+        raise RuntimeError("a bug in a stop")
+
+    watch.begin(LoopRun(1, time.monotonic() - 1, broken))  # due at the first look
+    looks = watch.looks
+    await wait_until(lambda: watch.looks >= looks + 2, what="the watch past the failure")
+    watch.end()
+    stops = _Stops()
+    watch.begin(_run(2, stops, seconds=0.01))
+    message = await _received(ends.pool)
+    watch.end()
+    assert message.startswith(TIMED_OUT) and [t for t, _ in stops.calls] == [True]
+
+
 async def test_the_cancel_handler_is_carried_to_the_pool(
     pipe: tuple[_Pipe, WorkerWatch],
 ) -> None:
