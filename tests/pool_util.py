@@ -4,10 +4,12 @@ the store the test gives it, and a pool queue talking to it over its socket."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from queryqueue.engine.errors import ContinueWaitError
 from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor.client import SocketQueueDriver
 from queryqueue.supervisor.pool import WorkerPool
@@ -38,3 +40,15 @@ async def pool_server(
         await pool.stop(grace=0)
         await server.stop()
         store.close()
+
+
+async def ask(
+    queue: Any, handler: str, key: str, query: Any, priority: int = 0, within: float = 90
+) -> Any:
+    """execute_in_queue, asking again after each continue-wait, for up to `within` s."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await queue.execute_in_queue(handler, key, query, priority)
+        except ContinueWaitError:
+            assert time.monotonic() < deadline, f"no result for {key}"

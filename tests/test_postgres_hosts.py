@@ -20,7 +20,7 @@ from queryqueue import ContinueWaitError, SocketQueueDriver, StoreError
 from queryqueue.engine.clock import ManualClock
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.batches import answers_or_errors
-from tests.pool_util import pool_server
+from tests.pool_util import ask, pool_server
 from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_postgres
 from tests.recording import record_calls
 from tests.supervisor_util import REPO
@@ -71,16 +71,7 @@ async def _adds(driver: SocketQueueDriver) -> int:
 
 
 async def _ask(queue: Any, key: str, seconds: float) -> Any:
-    return await _ask_for(queue, "sql", key, {"key": key, "seconds": seconds})
-
-
-async def _ask_for(queue: Any, handler: str, key: str, query: Any) -> Any:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return await queue.execute_in_queue(handler, key, query)
-        except ContinueWaitError:
-            assert time.monotonic() < deadline, f"no result for {key}"
+    return await ask(queue, "sql", key, {"key": key, "seconds": seconds}, within=60)
 
 
 @contextlib.asynccontextmanager
@@ -583,7 +574,11 @@ async def test_large_results_are_readable_on_every_host(
         keys = [f"big{i}" for i in range(8)]
         # Every key asked on both hosts at once: wherever it ran, both callers read it.
         asks = asyncio.gather(
-            *(_ask_for(q, "big", key, {"key": key, "size": size}) for key in keys for q in queues)
+            *(
+                ask(q, "big", key, {"key": key, "size": size}, within=60)
+                for key in keys
+                for q in queues
+            )
         )
 
         async def every_add_in() -> bool:

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from queryqueue import ContinueWaitError, SocketQueueDriver, SqliteQueueStore
+from tests.pool_util import ask
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until_sync
@@ -317,16 +318,6 @@ async def test_workers_are_recycled_after_max_tasks(
         assert supervisor.stop() == 0
 
 
-async def _ask(queue: Any, handler: str, key: str, query: Any, priority: int = 0) -> Any:
-    """execute_in_queue, asking again after each continue-wait (bounded)."""
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            return await queue.execute_in_queue(handler, key, query, priority)
-        except ContinueWaitError:
-            assert time.monotonic() < deadline, f"no result for {key}"
-
-
 async def test_large_results_travel_through_shared_memory_and_leave_nothing(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -343,14 +334,14 @@ async def test_large_results_travel_through_shared_memory_and_leave_nothing(
     queues = [app.pool_queue(driver) for driver in drivers]
     try:
         size = 100 * 1024 * 1024
-        text = await _ask(queues[0], "big", "huge", {"key": "huge", "size": size})
+        text = await ask(queues[0], "big", "huge", {"key": "huge", "size": size})
         expected = hashlib.sha256(big_text(size, "huge").encode()).hexdigest()
         assert len(text) == size and hashlib.sha256(text.encode()).hexdigest() == expected
         del text
         # Three connections wait for one 3 MiB result: one execution, three readers.
         size = 3 * 1024 * 1024
         texts = await asyncio.gather(
-            *(_ask(q, "big", "shared", {"key": "shared", "size": size}) for q in queues)
+            *(ask(q, "big", "shared", {"key": "shared", "size": size}) for q in queues)
         )
         assert texts == [big_text(size, "shared")] * 3
         assert [t[1] for t in read_trace(workdir) if t[0] == "start"] == ["huge", "shared"]
@@ -383,18 +374,18 @@ async def test_priority_decides_who_runs_next_through_the_pool(
     try:
         # Both slots of the prefix (concurrency 2) busy...
         blockers = [
-            asyncio.ensure_future(_ask(queue, "sql", f"b{i}", {"key": f"b{i}", "seconds": 1.5}))
+            asyncio.ensure_future(ask(queue, "sql", f"b{i}", {"key": f"b{i}", "seconds": 1.5}))
             for i in range(2)
         ]
         await wait_until(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=30)
         # ...then background work, then urgent work, all waiting for a slot.
         low = [
-            asyncio.ensure_future(_ask(queue, "sql", f"low{i}", {"key": f"low{i}"}, priority=0))
+            asyncio.ensure_future(ask(queue, "sql", f"low{i}", {"key": f"low{i}"}, priority=0))
             for i in range(3)
         ]
         await asyncio.sleep(0)
         high = [
-            asyncio.ensure_future(_ask(queue, "sql", f"high{i}", {"key": f"high{i}"}, priority=5))
+            asyncio.ensure_future(ask(queue, "sql", f"high{i}", {"key": f"high{i}"}, priority=5))
             for i in range(3)
         ]
         await asyncio.gather(*blockers, *low, *high)
@@ -440,7 +431,7 @@ async def test_an_execution_timeout_in_a_worker_reaches_its_cancel_handler(
     try:
         asked_at = time.monotonic()
         with pytest.raises(QueryError, match="timeout"):
-            await _ask(queue, "sql", "slow", {"key": "slow", "seconds": 30})
+            await ask(queue, "sql", "slow", {"key": "slow", "seconds": 30})
         assert time.monotonic() - asked_at < 10
         (start,) = [t for t in read_trace(workdir) if t[0] == "start"]
         # The cancel handler ran in the worker that ran the query (in the background: the
@@ -453,7 +444,7 @@ async def test_an_execution_timeout_in_a_worker_reaches_its_cancel_handler(
         # ...whose thread kept sleeping: the worker is terminated after the grace, replaced.
         await wait_until(lambda: _stats_pool(driver, "terminated", 1), within=15)
         await wait_until(lambda: _stats_pool(driver, "replaced", 1), within=15)
-        fresh = await _ask(queue, "sql", "quick", {"key": "quick", "seconds": 0})
+        fresh = await ask(queue, "sql", "quick", {"key": "quick", "seconds": 0})
         assert fresh["pid"] != int(start[2])
     finally:
         await queue.shutdown(grace=0)
@@ -471,9 +462,9 @@ async def test_workers_are_recycled_above_max_memory(
     driver = SocketQueueDriver(supervisor.socket_path)
     queue = app.pool_queue(driver)
     try:
-        small = [await _ask(queue, "hoard", f"s{i}", {"bytes": 1024}) for i in range(2)]
+        small = [await ask(queue, "hoard", f"s{i}", {"bytes": 1024}) for i in range(2)]
         assert small[0] == small[1]  # well under the limit: the same worker
-        big = [await _ask(queue, "hoard", f"b{i}", {"bytes": 200 * 1024 * 1024}) for i in range(2)]
+        big = [await ask(queue, "hoard", f"b{i}", {"bytes": 200 * 1024 * 1024}) for i in range(2)]
         assert big[0] == small[0]  # over the limit only after this query...
         assert big[1] != big[0]  # ...so the next one runs in a fresh worker
         stats = (await driver.stats())["pool"]

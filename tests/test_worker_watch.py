@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -16,10 +17,11 @@ import multiprocess
 import orjson
 import pytest
 
-from queryqueue import ContinueWaitError, SocketQueueDriver
+from queryqueue import SocketQueueDriver
 from queryqueue.engine.errors import QueryError
 from queryqueue.engine.loop_run import LoopRun
 from queryqueue.supervisor.watch import CANCEL, CANCEL_HANDLER, DRAINING, TIMED_OUT, WorkerWatch
+from tests.pool_util import ask
 from tests.supervisor_util import SupervisorProcess, start_supervisor
 from tests.trace import read_trace
 from tests.waiting import wait_until
@@ -183,25 +185,34 @@ async def test_the_cancel_handler_is_carried_to_the_pool(
 # -- in a supervisor's workers -----------------------------------------------------------------
 
 
-def _short_pool(workdir: Path, *options: str) -> SupervisorProcess:
-    return start_supervisor(
+@contextlib.asynccontextmanager
+async def _supervised(
+    workdir: Path, app_name: str, *options: str, **queue_options: Any
+) -> AsyncIterator[tuple[SupervisorProcess, SocketQueueDriver, Any, list[asyncio.Future[Any]]]]:
+    """A supervisor with a pool of `tests.apps.pool_app:<app_name>` (its trace where the
+    test's $POOL_TRACE says), a pool queue on it, and a list for the test's asking tasks:
+    all stopped afterwards (the tasks cancelled)."""
+    from tests.apps import pool_app
+
+    supervisor = start_supervisor(
         workdir / "queue.db",
         workdir / "s.sock",
         "--app",
-        "tests.apps.pool_app:short",
-        "--workers",
-        "1",
+        f"tests.apps.pool_app:{app_name}",
         *options,
     )
-
-
-async def _ask(queue: Any, handler: str, key: str, query: Any) -> Any:
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            return await queue.execute_in_queue(handler, key, query)
-        except ContinueWaitError:
-            assert time.monotonic() < deadline, f"no result for {key}"
+    driver = SocketQueueDriver(supervisor.socket_path)
+    queue = getattr(pool_app, app_name).pool_queue(driver, **queue_options)
+    asking: list[asyncio.Future[Any]] = []
+    try:
+        yield supervisor, driver, queue, asking
+    finally:
+        for task in asking:
+            task.cancel()
+        await asyncio.gather(*asking, return_exceptions=True)
+        await queue.shutdown(grace=0)
+        await driver.close()
+        assert supervisor.stop() == 0
 
 
 async def test_a_timed_out_handler_that_runs_on_fails_for_its_waiters_at_its_timeout(
@@ -210,16 +221,16 @@ async def test_a_timed_out_handler_that_runs_on_fails_for_its_waiters_at_its_tim
     """Timeout 0.5 s, grace 60 s, a handler that sleeps through its cancel on the worker's
     loop thread: the waiter hears of the timeout from the worker's watch (through the
     pool) at once, not from the supervisor a grace later."""
-    from tests.apps.pool_app import short
-
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = _short_pool(workdir, "--cancel-grace", "60")
-    driver = SocketQueueDriver(supervisor.socket_path)
-    queue = short.pool_queue(driver)
-    try:
+    async with _supervised(workdir, "short", "--workers", "1", "--cancel-grace", "60") as (
+        _,
+        driver,
+        queue,
+        _,
+    ):
         asked_at = time.monotonic()
         with pytest.raises(QueryError, match=r"Query execution timeout after .* min of waiting"):
-            await _ask(queue, "sql", "slow", {"key": "slow", "seconds": 30})
+            await ask(queue, "sql", "slow", {"key": "slow", "seconds": 30})
         assert time.monotonic() - asked_at < 20
         (start,) = [t for t in read_trace(workdir) if t[0] == "start"]
         await wait_until(
@@ -228,10 +239,6 @@ async def test_a_timed_out_handler_that_runs_on_fails_for_its_waiters_at_its_tim
         )
         assert not [t for t in read_trace(workdir) if t[:2] == ["end", "slow"]]  # runs on
         assert (await driver.stats())["pool"]["terminated"] == 0  # within its grace
-    finally:
-        await queue.shutdown(grace=0)
-        await driver.close()
-        assert supervisor.stop() == 0
 
 
 @pytest.mark.parametrize("how", ["cancel", "timeout"])
@@ -240,40 +247,29 @@ async def test_a_handler_that_heeds_its_cancel_keeps_its_worker(
 ) -> None:
     """The handler runs on the worker's loop thread; its cancel handler, called from the
     watch's thread, makes it stop: the worker is not terminated and runs the next query."""
-    from tests.apps.pool_app import short
-
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = _short_pool(workdir, "--cancel-grace", "60")
-    driver = SocketQueueDriver(supervisor.socket_path)
-    queue = short.pool_queue(driver, continue_wait_timeout=0.2)
-    seconds = 30 if how == "cancel" else 0.0  # 0: the app's execution timeout
-    asking = asyncio.ensure_future(
-        _ask(queue, "polite", "p", {"key": "p", **({"seconds": seconds} if seconds else {})})
-    )
-    try:
+    async with _supervised(
+        workdir, "short", "--workers", "1", "--cancel-grace", "60", continue_wait_timeout=0.2
+    ) as (_, driver, queue, asking):
+        seconds = {"seconds": 30} if how == "cancel" else {}  # none: the execution timeout
+        asking.append(asyncio.ensure_future(ask(queue, "polite", "p", {"key": "p", **seconds})))
         await wait_until(lambda: [t for t in read_trace(workdir) if t[:2] == ["start", "p"]])
         (start,) = [t for t in read_trace(workdir) if t[:2] == ["start", "p"]]
         assert start[4] == "MainThread"  # the worker's loop thread
         if how == "cancel":
             (item,) = await driver.list_items(queue.prefix)
             assert await driver.cancel(item.queue_id) is not None
-            await asyncio.gather(asking, return_exceptions=True)
+            await asyncio.gather(*asking, return_exceptions=True)
         else:
             with pytest.raises(QueryError, match="Query execution timeout"):
-                await asking
+                await asking[0]
         await wait_until(
             lambda: ["cancel", "p", start[2]] in [t[:3] for t in read_trace(workdir)],
             what="the cancel handler, in the worker",
         )
-        answer = await _ask(queue, "sql", "next", {"key": "next", "seconds": 0})
+        answer = await ask(queue, "sql", "next", {"key": "next", "seconds": 0})
         assert answer["pid"] == int(start[2])
         assert (await driver.stats())["pool"]["terminated"] == 0
-    finally:
-        asking.cancel()
-        await asyncio.gather(asking, return_exceptions=True)
-        await queue.shutdown(grace=0)
-        await driver.close()
-        assert supervisor.stop() == 0
 
 
 async def test_a_killed_workers_item_is_reclaimed_with_the_cancel_handler_its_query_set(
@@ -283,22 +279,21 @@ async def test_a_killed_workers_item_is_reclaimed_with_the_cancel_handler_its_qu
     its item at once (the loop could not send it): after a kill -9, the supervisor calls
     the cancel handler with it."""
     from queryqueue.engine.connection import decode_def
-    from tests.apps.pool_app import app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = start_supervisor(
-        workdir / "queue.db", workdir / "s.sock", "--app", "tests.apps.pool_app:app"
-    )
-    driver = SocketQueueDriver(supervisor.socket_path)
-    queue = app.pool_queue(driver, continue_wait_timeout=0.2)
-    path = f"{queue.prefix}:{queue.hash_query_key('k')}"
-    asking = asyncio.ensure_future(_ask(queue, "sql", "k", {"key": "k", "seconds": 60}))
+    async with _supervised(workdir, "app", continue_wait_timeout=0.2) as (
+        supervisor,
+        driver,
+        queue,
+        asking,
+    ):
+        path = f"{queue.prefix}:{queue.hash_query_key('k')}"
+        asking.append(asyncio.ensure_future(ask(queue, "sql", "k", {"key": "k", "seconds": 60})))
 
-    async def recorded() -> Any:
-        definition = decode_def(await driver.get(path))
-        return (definition or {}).get("cancelHandler")
+        async def recorded() -> Any:
+            definition = decode_def(await driver.get(path))
+            return (definition or {}).get("cancelHandler")
 
-    try:
         await wait_until(recorded, within=30, what="the cancel handler recorded")
         victim = (await recorded())["pid"]
         os.kill(victim, signal.SIGKILL)
@@ -307,12 +302,6 @@ async def test_a_killed_workers_item_is_reclaimed_with_the_cancel_handler_its_qu
         )
         (cancelled,) = [t for t in read_trace(workdir) if t[:2] == ["cancel", "k"]]
         assert int(cancelled[2]) == supervisor.pid and cancelled[4] == str(victim)
-    finally:
-        asking.cancel()
-        await asyncio.gather(asking, return_exceptions=True)
-        await queue.shutdown(grace=0)
-        await driver.close()
-        assert supervisor.stop() == 0
 
 
 async def test_workers_notes_go_in_the_next_batch_and_one_refused_is_dropped(
