@@ -35,7 +35,7 @@ _ADDS = {"add": 2, "add_and_retrieve": 3}
 ADD_KEYWORDS = frozenset(
     {"priority", "orphaned", "external_id", "exclusive", "process_id", "if_no_result"}
 )
-_ADD_AND_RETRIEVE_KEYWORDS = ADD_KEYWORDS | {"start_query_time"}
+ADD_AND_RETRIEVE_KEYWORDS = ADD_KEYWORDS | {"start_query_time", "list_active"}
 # Commands whose key, a path, is the only path whose rows they read or change; those
 # that remove its item free its external id too.
 _BY_PATH = frozenset(
@@ -104,7 +104,7 @@ def adds_read_ahead(commands: Iterable[Sequence[Any]], prefix: str) -> list[AddA
 
 def _ahead(method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> AddAhead | None:
     """The ADD's reads, if its arguments are those of a command that will read them."""
-    keywords = ADD_KEYWORDS if method == "add" else _ADD_AND_RETRIEVE_KEYWORDS
+    keywords = ADD_KEYWORDS if method == "add" else ADD_AND_RETRIEVE_KEYWORDS
     if len(args) != _ADDS[method] or not kwargs.keys() <= keywords:
         return None  # refused by its call, before it reads
     try:

@@ -174,7 +174,10 @@ class QueueConnection:
         fast_track: bool,
         if_no_result: bool = False,
         then_wait_ms: int | None = None,
+        list_active: bool = True,
     ) -> AddedToQueue:
+        """`list_active` False: a fast-tracked ADD does not list the active keys (only
+        the "Waiting for query" event reads them)."""
         payload = orjson.dumps(query_def).decode()
         process_id = self.process_uid if exclusive else None
         if fast_track:
@@ -189,6 +192,7 @@ class QueueConnection:
                 process_id=process_id,
                 if_no_result=if_no_result,
                 then_wait_ms=then_wait_ms,
+                list_active=list_active,
             )
             return AddedToQueue(
                 added=both.added,

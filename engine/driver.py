@@ -62,7 +62,9 @@ class QueueDriver(Protocol):
         process_id: str | None = None,
         if_no_result: bool = False,
         then_wait_ms: int | None = None,
-    ) -> AddAndRetrieveResponse: ...
+        list_active: bool = True,
+    ) -> AddAndRetrieveResponse:
+        """`list_active` False: the answer need not list the prefix's active keys."""
 
     async def retrieve(
         self,
@@ -184,6 +186,7 @@ class LocalQueueDriver:
         process_id: str | None = None,
         if_no_result: bool = False,
         then_wait_ms: int | None = None,
+        list_active: bool = True,
     ) -> AddAndRetrieveResponse:
         return await self.store.run_off_loop(
             self.store.add_and_retrieve,
@@ -196,6 +199,7 @@ class LocalQueueDriver:
             exclusive=exclusive,
             process_id=process_id,
             if_no_result=if_no_result,
+            list_active=list_active,
         )
 
     async def retrieve(

@@ -161,6 +161,8 @@ class RequestSide:
             # A result that landed since our RESULT read answers: never a second run.
             if_no_result=not is_stream and not flags.get("forceBuild"),
             then_wait_ms=then_wait_ms,
+            # The active keys are the "Waiting for query" event's: listed for a listener.
+            list_active=self.queue.events.wanted(ev.WAITING_FOR_QUERY),
         )
 
     async def _start(

@@ -141,10 +141,12 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, RetrieveNext):
         process_id: str | None = None,
         if_no_result: bool = False,
         start_query_time: int | None = None,
+        list_active: bool = True,
     ) -> AddAndRetrieveResponse:
         """QUEUE ADD_AND_RETRIEVE ... path payload concurrency: insert, then retrieve if the
         prefix has a slot for it and for everything already pending (`start_query_time`
-        as RETRIEVE's, for the item it retrieves)."""
+        as RETRIEVE's, for the item it retrieves). `list_active` False (our extension): no
+        listing of the prefix's active keys in the answer, for a caller that reads none."""
         new = new_item(
             path,
             payload,
@@ -157,6 +159,7 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, RetrieveNext):
         )
         v.check_concurrency(concurrency)
         v.check_non_negative_ms("start_query_time", start_query_time, nullable=True)
+        v.check_bool("list_active", list_active)
         with self._atomic() as tx:
             joined = self._joined(tx, new, if_no_result)
             pending, active = tx.counts(new.prefix)
@@ -176,7 +179,7 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, RetrieveNext):
                 id=queue_id,
                 added=joined is None,
                 pending=pending,
-                active=_join(tx.active_keys(new.prefix)),
+                active=_join(tx.active_keys(new.prefix)) if list_active else None,
                 payload=retrieved,
                 extra=None,
             )

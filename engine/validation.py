@@ -144,6 +144,12 @@ def check_orphaned_seconds(value: Any) -> int | None:
     return round(value * 1000)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidCommandError(f"{name} must be true or false")
+    return value
+
+
 def check_concurrency(concurrency: Any) -> int:
     if not isinstance(concurrency, int) or isinstance(concurrency, bool):
         raise InvalidCommandError("concurrency must be an integer")

@@ -495,6 +495,7 @@ class SocketQueueDriver:
         process_id: str | None = None,
         if_no_result: bool = False,
         then_wait_ms: int | None = None,
+        list_active: bool = True,
     ) -> AddAndRetrieveResponse:
         await self._connected()  # its hello says which prefixes the pool runs
         # The supervisor hands what it retrieves to its pool itself: no hand-off round trip.
@@ -503,7 +504,11 @@ class SocketQueueDriver:
         answer: AddAndRetrieveResponse = await self._adding(
             "add_and_retrieve",
             [path, payload, concurrency],
-            {**({"dispatch": True} if dispatch else {}), **options},
+            {
+                **({"dispatch": True} if dispatch else {}),
+                **options,
+                **({} if list_active else {"list_active": False}),  # Cube's knows nothing of it
+            },
             then_wait_ms,
         )
         return answer

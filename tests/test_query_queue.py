@@ -1177,3 +1177,41 @@ async def test_a_sync_handler_waited_for_on_the_spot_is_acked_without_waking_the
     stored = store.result(added.id)
     assert stored is not None and stored.payload is not None
     assert orjson.loads(stored.payload) == {"result": {"echo": "k"}}
+
+
+@pytest.mark.parametrize("listening", [False, True], ids=["quiet", "listened-to"])
+async def test_a_fast_tracked_add_lists_the_active_keys_only_for_a_listener(
+    monkeypatch: pytest.MonkeyPatch, listening: bool
+) -> None:
+    """The active keys an ADD_AND_RETRIEVE answers are the "Waiting for query" event's
+    only: without a listener it asks for no listing (a statement a query), as the queued
+    path skips its own."""
+    import functools
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("queryqueue.queue"), "level", logging.WARNING)
+    store = MemoryQueueStore()
+    asked: list[bool] = []
+    real = store.add_and_retrieve
+
+    @functools.wraps(real)
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("list_active", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "add_and_retrieve", recording)
+    events: list[tuple[str, dict[str, Any]]] = []
+    queue = QueryQueue(
+        "ft",
+        query_handlers={"sql": lambda query, _: {"echo": query}},
+        driver=store,
+        logger=(lambda name, fields: events.append((name, fields))) if listening else None,
+    )
+    try:
+        assert await queue.execute_in_queue("sql", "k", {"x": 1}, priority=10) == {"echo": {"x": 1}}
+    finally:
+        await queue.close(grace=0)
+    assert asked == [listening]
+    if listening:
+        (waiting,) = [fields for name, fields in events if name == ev.WAITING_FOR_QUERY]
+        assert waiting["fastTrack"] and waiting["activeQueryKeys"] == [queue.hash_query_key("k")]

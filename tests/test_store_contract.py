@@ -296,6 +296,20 @@ def test_add_and_retrieve_takes_a_free_slot(store: QueueStore) -> None:
     assert [(r.id, r.status) for r in store.list_items(P)] == [("a", "active")]
 
 
+def test_add_and_retrieve_without_listing_active_keys_retrieves_all_the_same(
+    store: QueueStore,
+) -> None:
+    store.add_and_retrieve(path("a"), payload(q=1), 3)
+    got = store.add_and_retrieve(path("b"), payload(q=2), 3, list_active=False)
+    assert got == AddAndRetrieveResponse(
+        id=got.id, added=True, pending=0, active=None, payload=payload(q=2), extra=None
+    )
+    assert store.add_and_retrieve(path("c"), payload(), 3).active == "a,b,c"
+    with pytest.raises(InvalidCommandError, match="list_active must be true or false"):
+        store.add_and_retrieve(path("d"), payload(), 3, list_active="no")  # type: ignore[arg-type]
+    assert [r.id for r in store.list_items(P)] == ["a", "b", "c"]
+
+
 def test_add_and_retrieve_leaves_a_slot_for_every_pending_item(store: QueueStore) -> None:
     store.add(path("waiting"), payload())  # pending 1, active 0
     got = store.add_and_retrieve(path("a"), payload(), 2)  # 0 + 1 < 2
