@@ -161,11 +161,9 @@ class WorkerPool:
         self._stopping = False
         self.replaced = 0
         self._cancelling: set[asyncio.Task[None]] = set()
-        # The cancel handlers the workers' watches carried (`_CANCEL_HANDLER`): merged
-        # into their items in the server's next batch (`take_notes`) when it set `noted`
-        # (a store on the loop), which asks it for that batch; else each on its own.
-        self._notes: list[tuple[QueueId, str]] = []
-        self.noted: Callable[[], None] | None = None
+        # Where the cancel handlers the workers' watches carry (`_CANCEL_HANDLER`) go:
+        # the server's next batch, once it set this; else each to the store on its own.
+        self.noted: Callable[[QueueId, str], None] | None = None
         self.reclaimed: list[QueueId] = []
         self.queue: QueryQueue | None = None
         self._poked = False
@@ -388,21 +386,7 @@ class WorkerPool:
         if self.noted is None:
             self._in_background(self._store_for(self.store.merge_extra, queue_id, extra))
         else:
-            self._notes.append((queue_id, extra))
-            self.noted()
-
-    def take_notes(self) -> list[tuple[QueueId, str]]:
-        """The cancel handlers to merge into their items (queue id, extra), taken; a
-        batch that then fails gives them back (`give_back_notes`)."""
-        notes, self._notes = self._notes, []
-        return notes
-
-    def give_back_notes(self, notes: list[tuple[QueueId, str]]) -> None:
-        self._notes[:0] = notes
-
-    @property
-    def has_notes(self) -> bool:
-        return bool(self._notes)
+            self.noted(queue_id, extra)
 
     async def _store_for(self, call: Any, queue_id: QueueId, *args: Any, **kwargs: Any) -> None:
         """What a worker's watch asked of the store (a failure is logged: the item's

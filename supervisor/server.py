@@ -592,8 +592,11 @@ class QueueServer:
         # Set by `--http` (metrics.py): fed from the answers; None costs nothing.
         self.metrics: Any | None = None
         self.pool = pool
-        if pool is not None and not store.blocking:
-            pool.noted = self._schedule_turn  # its workers' notes go in the next batch
+        if pool is not None:
+            pool.noted = self._note
+        # The server's own commands (its workers' notes) come from here; answered to
+        # nobody (closed), and not in the clients' command stats.
+        self._own: _Connection | None = None
         self.segments = segments or SegmentPool(
             name_prefix(socket_path), result_ttl=store.result_ttl_ms / 1000
         )
@@ -1222,6 +1225,17 @@ class QueueServer:
 
     # -- execution --------------------------------------------------------------------------------
 
+    def _note(self, queue_id: QueueId, extra: str) -> None:
+        """A worker's note (the cancel handler its query set, carried by its watch): a
+        MERGE_EXTRA of the server's own, in the next batch with whatever else came, on
+        every store (a refused one is answered to nobody)."""
+        if self._own is None:
+            self._own = _Connection(self._reader(authenticated=True), lambda _: None, closed=True)
+        request = _Request(
+            self._own, None, "merge_extra", [queue_id, extra], {}, None, time.monotonic()
+        )
+        self._enqueue(request)
+
     def _schedule_turn(self) -> None:
         # A callback, not a task waiting on a queue: no future and no task step per batch.
         # Scheduled with call_soon, it runs after the I/O callbacks of this loop iteration:
@@ -1232,11 +1246,8 @@ class QueueServer:
 
     def _execute_turn(self) -> None:
         self._turn = None
-        if self._has_work() and (self.store.blocking or not self._lingers()):
+        if (self._carried or self._inbox) and (self.store.blocking or not self._lingers()):
             self._run_turn()
-
-    def _has_work(self) -> bool:
-        return bool(self._carried or self._inbox or (self.pool is not None and self.pool.has_notes))
 
     def _lingers(self) -> bool:
         """A store on the loop: whether this turn waits for the ACKs its workers are about
@@ -1260,7 +1271,7 @@ class QueueServer:
     def _lingered(self) -> None:
         self._turn = None
         self._awaited_acks = None
-        if self._has_work():
+        if self._carried or self._inbox:
             self._run_turn()
 
     def _run_turn(self) -> None:
@@ -1535,30 +1546,15 @@ class QueueServer:
         self.store.expect((r.method, r.args, r.kwargs) for r in batch if r.refused is None)
         if self.store.blocking:  # a store on the loop reads for nothing ahead
             self._expect_retrieval(batch)
-        notes = self.pool.take_notes() if self.pool is not None and not self.store.blocking else []
         try:
-            for queue_id, extra in notes:  # the cancel handlers the workers' watches carried
-                self._merge_note(queue_id, extra)
             done = self._attempt_into(batch, answers)
         except BaseException:
             # Unwound (a store runs the batch again from the start): its long polls so far
-            # wait for nothing, and its notes go in the next.
+            # wait for nothing.
             self._forget_polls((answers, None))
-            if notes and self.pool is not None:
-                self.pool.give_back_notes(notes)
             raise
         self._hand_off_as_it_commits(batch[: len(done[0])], *done)
         return done
-
-    def _merge_note(self, queue_id: QueueId, extra: str) -> None:
-        """A worker's note in this batch; one the store refuses is dropped (logged), not
-        the batch's failure (a StoreError is: the batch, and the note, run again)."""
-        try:
-            self.store.merge_extra(queue_id, extra)
-        except QueueError as exc:
-            if isinstance(exc, StoreError):
-                raise
-            _log.warning("a worker's note for queue item %s was refused: %s", queue_id, exc)
 
     def _hand_off_as_it_commits(
         self,
@@ -1819,6 +1815,8 @@ class QueueServer:
                 if ok and isinstance(answer, Waiter):
                     self._park_poll(request, answer)
                     continue
+            if request.connection is self._own:
+                continue  # the server's own note: nobody to answer or to count it for
             self.stats.record(request.method, now - request.received, ok)
             if metrics is not None:
                 self._measure(metrics, request, ok, answer, now - request.received)

@@ -307,9 +307,9 @@ async def test_a_killed_workers_item_is_reclaimed_with_the_cancel_handler_its_qu
 async def test_workers_notes_go_in_the_next_batch_and_one_refused_is_dropped(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a store on the loop the cancel handlers the watches carry are merged in the
-    server's next batch (one transaction with what else came), asked for if nothing
-    else comes; one the store refuses costs only itself."""
+    """The cancel handlers the watches carry are merged in the server's next batch (one
+    transaction with what else came), one run for them if nothing else comes; one the
+    store refuses costs only itself."""
     from queryqueue import SqliteQueueStore
     from tests.pool_util import pool_server
 
@@ -320,7 +320,8 @@ async def test_workers_notes_go_in_the_next_batch_and_one_refused_is_dropped(
         batches = server.stats.batches
         pool.note(added.id, "not json")
         pool.note(added.id, '{"cancelHandler": {"pid": 5}}')
-        await wait_until(lambda: server.stats.batches > batches and not pool.has_notes)
+        await wait_until(lambda: server.stats.batches > batches and not server._inbox)
+        await wait_until(lambda: getattr(store.get(added.id), "extra", None) is not None)
         found = store.get(added.id)
         assert found is not None and found.extra is not None
         assert orjson.loads(found.extra) == {"cancelHandler": {"pid": 5}}
