@@ -134,11 +134,13 @@ class Executor:
         )
         # A handler on the loop's thread leaves no turn to beat in: the pool that handed
         # the item over beats it.
-        on_loop = self._runs_on_loop(str(query.get("queryHandler")))
-        heartbeat = None if on_loop else asyncio.ensure_future(self._heartbeat(execution, context))
+        watch = self._watch_for(str(query.get("queryHandler")))
+        heartbeat = (
+            asyncio.ensure_future(self._heartbeat(execution, context)) if watch is None else None
+        )
         started = time.monotonic()
         try:
-            result = await self._run_handler(execution)
+            result = await self._run_handler(execution, watch)
             self.queue.events.emit(
                 ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
             )
@@ -197,8 +199,9 @@ class Executor:
                 await self.queue.clock.sleep(delay)
                 waited, delay = waited + delay, min(delay * 2, ACK_RETRY_MAX)
 
-    async def _run_handler(self, execution: Execution) -> Outcome:
-        """Run the handler; its result as the JSON text (or binary result) to ACK with."""
+    async def _run_handler(self, execution: Execution, watch: LoopRunWatch | None) -> Outcome:
+        """Run the handler (on the loop's thread under `watch`, if given); its result as
+        the JSON text (or binary result) to ACK with."""
         retrieved = execution.retrieved
         query = retrieved.query
         name = query.get("queryHandler")
@@ -230,8 +233,8 @@ class Executor:
             execution.handler_task = asyncio.ensure_future(
                 handler(query.get("query"), set_cancel_handler)
             )
-        elif self.watch is not None and self._runs_on_loop(str(name)):
-            value = self._run_on_loop(self.watch, execution, handler, set_cancel_handler)
+        elif watch is not None:
+            value = self._run_on_loop(watch, execution, handler, set_cancel_handler)
             if inspect.isawaitable(value):
                 value = await value
             return self.queue.codecs.encode_outcome(value)
@@ -256,14 +259,17 @@ class Executor:
             value = await value
         return self.queue.codecs.encode_outcome(value)
 
-    def _runs_on_loop(self, name: str) -> bool:
+    def _watch_for(self, name: str) -> LoopRunWatch | None:
+        """The watch to run this handler under on the loop's thread (None: not there)."""
         handler = self.queue.query_handlers.get(name)
-        return (
-            self.watch is not None
-            and handler is not None
-            and not inspect.iscoroutinefunction(handler)
-            and stoppable_from_a_thread(self.queue, name)
-        )
+        if (
+            self.watch is None
+            or handler is None
+            or inspect.iscoroutinefunction(handler)
+            or not stoppable_from_a_thread(self.queue, name)
+        ):
+            return None
+        return self.watch
 
     def _run_on_loop(
         self,

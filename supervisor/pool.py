@@ -161,8 +161,8 @@ class WorkerPool:
         self._stopping = False
         self.replaced = 0
         self._cancelling: set[asyncio.Task[None]] = set()
-        # Where the cancel handlers the workers' watches carry (`_CANCEL_HANDLER`) go:
-        # the server's next batch, once it set this; else each to the store on its own.
+        # Where the cancel handlers the workers' watches carry (`_CANCEL_HANDLER`) go: the
+        # server's next batch (set by the server whose socket the workers talk to).
         self.noted: Callable[[QueueId, str], None] | None = None
         self.reclaimed: list[QueueId] = []
         self.queue: QueryQueue | None = None
@@ -382,19 +382,17 @@ class WorkerPool:
         task.add_done_callback(self._cancelling.discard)
 
     def note(self, queue_id: QueueId, extra: str) -> None:
-        """Merge `extra` into the item: in the server's next batch if it takes notes."""
-        if self.noted is None:
-            self._in_background(self._store_for(self.store.merge_extra, queue_id, extra))
-        else:
+        """Merge `extra` into the item, in the server's next batch."""
+        if self.noted is not None:
             self.noted(queue_id, extra)
 
-    async def _store_for(self, call: Any, queue_id: QueueId, *args: Any, **kwargs: Any) -> None:
-        """What a worker's watch asked of the store (a failure is logged: the item's
-        heartbeat, reap and the worker's own ACK remain)."""
+    async def _fail_timed_out(self, queue_id: QueueId, outcome: str) -> None:
+        """A worker's watch timed its query out: its waiters get `outcome` now (a failure
+        is logged: the worker's own ACK, or the supervisor's timeout, comes later)."""
         try:
-            await self.store.run_off_loop(call, queue_id, *args, **kwargs)
+            await self.store.run_off_loop(self.store.cancel, queue_id, result=outcome)
         except Exception:
-            _log.exception("%s for queue item %s failed", call.__name__, queue_id)
+            _log.exception("failing timed-out queue item %s failed", queue_id)
 
     def _reconcile(self) -> None:
         self._poked = False
@@ -617,7 +615,7 @@ class WorkerPool:
         if kind == _TIMED_OUT and job is not None and ours and text is not None:
             # Its handler, on the worker's loop thread, did not stop at its timeout: its
             # waiters hear of it now, and the worker has the grace to finish it.
-            self._in_background(self._store_for(self.store.cancel, job.queue_id, result=text))
+            self._in_background(self._fail_timed_out(job.queue_id, text))
         if kind in (_DRAINING, _TIMED_OUT):
             worker.draining_since = asyncio.get_running_loop().time()
             if ours:  # its ACK was not answered: it is over all the same
