@@ -58,7 +58,7 @@ def _tree_of_three() -> Iterator[psutil.Process]:
 
 def _alive(process: psutil.Process) -> bool:
     try:
-        return process.status() != psutil.STATUS_ZOMBIE
+        return bool(process.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
