@@ -984,6 +984,8 @@ class PostgresQueueStore(QueueStore):
         self._local = threading.local()
         self._inside = threading.local()
         self._refreshed_at = float("-inf")
+        # Prefixes the last batch committed on them left with nothing pending (`batch`).
+        self._none_pending: set[str] = set()
         self._closed = False
         self._watchdog = Watchdog(self.network_timeout)
         # The statements each connection has prepared for pipelined batches (lean.py).
@@ -1096,6 +1098,7 @@ class PostgresQueueStore(QueueStore):
                     with self._watchdog.watching(conn):
                         ending.commit_next(conn, batch.wrote, batch.answered_xid())
                         conn.commit()
+            self._saw_pending(batch.known)
         finally:
             self._local.batch = self._local.effects = None
             if not conn.broken and conn.info.transaction_status != _IDLE:  # it did not commit
@@ -1108,6 +1111,17 @@ class PostgresQueueStore(QueueStore):
             return
         for effect in effects:  # decide, then act: only what has committed is told
             effect()
+
+    def _saw_pending(self, known: _Known) -> None:
+        """A committed batch's counts: whether each prefix it read has anything pending."""
+        for prefix, (pending, _) in known.counts.items():
+            if pending == 0:
+                self._none_pending.add(prefix)
+            else:
+                self._none_pending.discard(prefix)
+
+    def nothing_pending_seen(self, prefix: str) -> bool:
+        return prefix in self._none_pending
 
     def before_commit(self, callback: Callable[[], object]) -> None:
         batch: _Batch | None = getattr(self._local, "batch", None)

@@ -101,3 +101,8 @@ class GroupCommit:
     def expect_retrieval(self, prefix: str, process_id: str | None, limit: int) -> None:
         """A hint as `expect`'s: the `batch` will likely end with `retrieve_next(prefix,
         ...)` for that process, at most `limit` rows."""
+
+    def nothing_pending_seen(self, prefix: str) -> bool:
+        """A hint: the last batch of `prefix` this store committed left nothing pending
+        in it (another host may have added some since). False: not known."""
+        return False

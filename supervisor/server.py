@@ -1689,6 +1689,14 @@ class QueueServer:
             for request in batch
         ):
             queue = pool.queue
+            if self.store.nothing_pending_seen(queue.prefix) and not any(
+                (command := COMMANDS.get(request.method)) is not None and command.adds
+                for request in batch
+            ):
+                # A slot freed (an idle queue's ACK) with nothing pending to fill it: the
+                # retrieval reads the counts only. Should another host have added work
+                # since, it reads the head then, a round trip of its own.
+                return
             self.store.expect_retrieval(queue.prefix, queue.process_uid, queue.concurrency)
 
     def _retrieving_pool(self) -> WorkerPool | None:
