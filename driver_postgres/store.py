@@ -13,8 +13,10 @@ each guarantee rests on:
 * dedup on path is the UNIQUE (prefix, key) constraint; an external id is unique by a
   unique index (a conflict is ExternalIdConflictError, never a second item);
 * RESULT_BLOCKING waiters of every host are woken by a NOTIFY that the ACK sends in its
-  own transaction (delivered at commit); a notification missed (a listener reconnecting)
-  costs at most `recheck_ms`, the bounded re-check of the store;
+  own transaction (delivered at commit), while another host listens (this host's own
+  waiters are woken in-process; `_others_listen`); a notification missed (a listener
+  reconnecting, a host that has just started) costs at most `recheck_ms`, the bounded
+  re-check of the store;
 * a command (or a batch, whole) whose connection broke before its COMMIT was sent is
   re-run on a fresh connection (it had no effect); one that broke during COMMIT is looked
   up by its transaction id (`txid_status`): committed, its answers stand; aborted, it is
@@ -81,6 +83,9 @@ RECONNECT_ATTEMPTS = 4
 RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a second
 _NO_SAVEPOINT = contextlib.nullcontext()
 LISTEN_CHECK_S = 5.0
+# By this long after a listener starts, the hosts that listened alone (and sent no
+# NOTIFY) have heard its hello: its waiters then look once more for what they ACKed.
+LISTEN_GRACE_S = 1.0
 CLAIMED_WAIT_S = 5.0
 # The active items a prefix's lock reads with it while there are no more (see schema.py):
 # most commands need them or nothing; a prefix with many more reads them when asked.
@@ -124,6 +129,13 @@ _ID_IF_INSERTED = (
     " THEN nextval(pg_get_serial_sequence('items', 'id')) END, txid_current()"
 )
 _RESULT_EXPIRE = RESULT_COLUMNS.split(", ").index("expire")
+_INSERT_RESULT = (
+    "INSERT INTO results (id, path, value, deleted, expire, external_id, consumed_by)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET"
+    " path = excluded.path, value = excluded.value, deleted = excluded.deleted,"
+    " expire = excluded.expire, external_id = excluded.external_id,"
+    " consumed_by = excluded.consumed_by"
+)
 _INSERT_ITEM = (
     f"INSERT INTO items ({INSERTED_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
     " %s, %s) RETURNING id, txid_current()"
@@ -476,7 +488,7 @@ class PostgresTransaction:
     def __init__(
         self,
         conn: psycopg.Connection[Any],
-        channel: str,
+        channel: str | None,
         schema: str,
         locked: set[str] | None = None,
         known: _Known | None = None,
@@ -492,6 +504,7 @@ class PostgresTransaction:
         # Where its statements go: the connection, or a pipelined batch's Lean.
         self._c: Executor = executor if executor is not None else conn
         self._pipelined = pipelined
+        # Where an ACK's NOTIFY goes; None: no other host listens (none is sent).
         self._channel = channel
         self._origin = origin
         self._schema = schema
@@ -801,22 +814,23 @@ class PostgresTransaction:
         # A result is only ever inserted as its item is completed (an ACK, or a CANCEL
         # with a result), which then notifies every host (`acked`): the NOTIFY rides on
         # this INSERT, one statement (a round of psycopg and a backend wake-up) fewer.
+        values = (
+            result.id,
+            result.path,
+            result.value,
+            result.deleted,
+            result.expire,
+            result.external_id,
+            result.consumed_by,
+        )
+        if self._channel is None:
+            self._write(_INSERT_RESULT, values)
+            return
         self._notified.add(result.id)
         self._write(
-            "WITH stored AS (INSERT INTO results"
-            " (id, path, value, deleted, expire, external_id, consumed_by)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET"
-            " path = excluded.path, value = excluded.value, deleted = excluded.deleted,"
-            " expire = excluded.expire, external_id = excluded.external_id,"
-            " consumed_by = excluded.consumed_by) SELECT pg_notify(%s, %s)",
+            f"WITH stored AS ({_INSERT_RESULT}) SELECT pg_notify(%s, %s)",
             (
-                result.id,
-                result.path,
-                result.value,
-                result.deleted,
-                result.expire,
-                result.external_id,
-                result.consumed_by,
+                *values,
                 self._channel,
                 self._note(result.id, result.path, False, result.external_id),
             ),
@@ -914,8 +928,8 @@ class PostgresTransaction:
 
     def acked(self, item: Item, result: str | None) -> None:
         # Delivered when this transaction commits, to every host listening.
-        if item.id in self._notified:
-            return  # with its result's INSERT
+        if item.id in self._notified or self._channel is None:
+            return  # with its result's INSERT, or nobody else listens
         note = self._note(item.id, item.path, result is None, item.external_id)
         self._write("SELECT pg_notify(%s, %s)", (self._channel, note))
 
@@ -975,10 +989,14 @@ class PostgresQueueStore(QueueStore):
         self._listen_epoch = 0
         self.connect_timeout = connect_timeout
         self.channel = f"queryqueue_ack_{schema}"
+        # Whether another host (a store on this schema elsewhere) listens on the channel:
+        # counted by the listener, True until it knows (`_listen`).
+        self._others_listen = True
         # Signs this store's NOTIFYs: its own waiters were woken by the ACK as it committed,
         # with the result; its NOTIFY, often first on the listener's thread, would wake
         # them with none, to read it back in a transaction of their own.
         self.origin = uuid.uuid4().hex
+        self._hello = orjson.dumps({"hello": True, "from": self.origin}).decode()
         self.reconnects = 0
         # A connection per thread: each lane (and a caller's own thread) has its own.
         self._local = threading.local()
@@ -1006,7 +1024,9 @@ class PostgresQueueStore(QueueStore):
 
     # -- connections ----------------------------------------------------------------------
 
-    def _connect(self, *, autocommit: bool = False) -> psycopg.Connection[Any]:
+    def _connect(
+        self, *, autocommit: bool = False, application_name: str | None = None
+    ) -> psycopg.Connection[Any]:
         if self._closed:
             raise StoreError("the queue store is closed")
         try:
@@ -1023,7 +1043,7 @@ class PostgresQueueStore(QueueStore):
                 keepalives_interval=5,
                 keepalives_count=2,
                 # Says whose connection this is in pg_stat_activity.
-                application_name=f"queryqueue:{self.schema}",
+                application_name=application_name or f"queryqueue:{self.schema}",
             )
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to the queue database: {exc}") from exc
@@ -1059,7 +1079,7 @@ class PostgresQueueStore(QueueStore):
         try:
             with self._watchdog.watching(conn), conn.transaction():
                 PostgresTransaction(
-                    conn, self.channel, self.schema, origin=self.origin
+                    conn, self._notifying(), self.schema, origin=self.origin
                 ).refresh_active_heartbeats(self.clock.now_ms())
             self._refreshed_at = now
         except psycopg.Error:
@@ -1312,7 +1332,7 @@ class PostgresQueueStore(QueueStore):
         self._local.effects = effects
         tx = PostgresTransaction(
             conn,
-            self.channel,
+            self._notifying(),
             self.schema,
             batch.locked,
             batch.known,
@@ -1393,7 +1413,7 @@ class PostgresQueueStore(QueueStore):
         ending = _Ending()
         try:
             with self._watchdog.watching(conn), self._ended(conn, ending), conn.transaction():
-                tx = PostgresTransaction(conn, self.channel, self.schema, origin=self.origin)
+                tx = PostgresTransaction(conn, self._notifying(), self.schema, origin=self.origin)
                 yield tx
                 # Leaving the block sends COMMIT.
                 ending.commit_next(conn, tx.wrote, _answered_xid(tx.known.flush(conn)))
@@ -1531,7 +1551,7 @@ class PostgresQueueStore(QueueStore):
         delay = 0.05
         while not self._closed:
             try:
-                conn = self._connect(autocommit=True)
+                conn = self._connect(autocommit=True, application_name=self._listener_name())
             except StoreError:
                 self._listening.set()  # do not hold up the constructor: re-checks cover
                 threading.Event().wait(delay)
@@ -1539,31 +1559,63 @@ class PostgresQueueStore(QueueStore):
                 continue
             try:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                # The hosts that listened alone notify from now on (`_publish`).
+                conn.execute("SELECT pg_notify(%s, %s)", (self.channel, self._hello))
+                self._count_listeners(conn)
                 self._listen_epoch += 1
                 self._listen_healthy = True
                 self._listening.set()
                 delay = 0.05
                 checked = time.monotonic()
+                heard_at: float | None = checked + LISTEN_GRACE_S
                 while not self._closed:
                     for note in conn.notifies(timeout=0.5):
                         self._publish(note.payload)
-                    if time.monotonic() - checked >= LISTEN_CHECK_S:
+                    now = time.monotonic()
+                    if heard_at is not None and now >= heard_at:
+                        # What another host ACKed unannounced before it heard the hello
+                        # is found by one more look of each waiter (a new epoch).
+                        self._listen_epoch += 1
+                        heard_at = None
+                    if now - checked >= LISTEN_CHECK_S:
                         # A silent connection is no proof of a live one (a partition
                         # delivers nothing either): one that stops answering is replaced.
                         with self._watchdog.watching(conn):
-                            conn.execute("SELECT 1")
+                            self._count_listeners(conn)
                         checked = time.monotonic()
             except psycopg.Error:
                 pass  # reconnect; what was missed meanwhile, re-checks find
             finally:
                 self._listen_healthy = False
+                self._others_listen = True  # not known while not listening
                 with contextlib.suppress(psycopg.Error):
                     conn.close()
+
+    def _listener_name(self) -> str:
+        # As pg_stat_activity keeps it (NAMEDATALEN - 1 bytes; a schema name is ASCII).
+        return f"queryqueue-listen:{self.schema}"[:63]
+
+    def _count_listeners(self, conn: psycopg.Connection[Any]) -> None:
+        """Whether another listener of this schema's channel is connected: ACKs notify
+        while one is. One connecting later says so itself (its hello, `_publish`)."""
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE application_name = %s AND pid <> pg_backend_pid()",
+            (self._listener_name(),),
+        ).fetchone()
+        self._others_listen = row is not None and int(row[0]) > 0
+
+    def _notifying(self) -> str | None:
+        """The channel an ACK's NOTIFY goes to, or None while no other host listens."""
+        return self.channel if self._others_listen else None
 
     def _publish(self, payload: str) -> None:
         try:
             note = orjson.loads(payload)
             if note.get("from") == self.origin:
+                return
+            if "hello" in note:  # another host has started listening
+                self._others_listen = True
                 return
             event = AckEvent(
                 int(note["id"]), str(note["path"]), None if note["null"] else _FETCH, note["ext"]

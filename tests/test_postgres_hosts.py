@@ -26,7 +26,7 @@ from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_p
 from tests.recording import record_calls
 from tests.supervisor_util import REPO
 from tests.trace import max_overlap, read_trace
-from tests.waiting import wait_until
+from tests.waiting import wait_until, wait_until_sync
 
 APP = "tests.apps.pool_app:app"
 
@@ -491,6 +491,8 @@ async def test_parked_long_polls_rely_on_listen_while_it_is_healthy(
     store = PostgresQueueStore(URL, schema=schema)
     looked = record_calls(monkeypatch, store, "_lookup")
     try:
+        # Past its listener's first second, when its waiters look once more (a new epoch).
+        await wait_until(lambda: store._listen_epoch >= 2, within=30)
         ids = [store.add(f"p:k{i}", "{}").id for i in range(20)]
         # Twenty idle waiters for 2.5 s: each reads the table once; LISTEN covers the rest
         # (the store used to read it again every second: 60 transactions here).
@@ -508,6 +510,72 @@ async def test_parked_long_polls_rely_on_listen_while_it_is_healthy(
     finally:
         monkeypatch.undo()
         store.close()
+
+
+def test_an_ack_notifies_only_while_another_host_listens(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NOTIFY is for other hosts' waiters (this host's are woken in-process): a store
+    whose listener counts no other on its channel sends none with its ACKs; one that
+    starts listening says so (its hello), and ACKs notify again until it has gone."""
+    from queryqueue.driver_postgres import store as pg
+
+    monkeypatch.setattr(pg, "LISTEN_CHECK_S", 0.2)
+    a = pg.PostgresQueueStore(URL, schema=schema)
+    try:
+        wait_until_sync(lambda: not a._others_listen, within=30, what="a counted alone")
+        statements = _recording(a, monkeypatch)
+        assert a.ack(a.add("p:one", "{}").id, '"r1"').success
+        assert any(s.startswith("INSERT INTO results") for s in statements), statements
+        assert not [s for s in statements if "pg_notify" in s]
+        b = pg.PostgresQueueStore(URL, schema=schema)
+        try:
+            wait_until_sync(lambda: a._others_listen, within=30, what="a heard of b")
+            published = record_calls(monkeypatch, b, "_publish")
+            two = a.add("p:two", "{}").id
+            assert a.ack(two, '"r2"').success
+            assert [s for s in statements if "pg_notify" in s]
+            wait_until_sync(
+                lambda: any(f'"id":{two},' in args[0] for args in published),
+                within=30,
+                what="b's listener hearing a's ACK",
+            )
+        finally:
+            b.close()
+        wait_until_sync(lambda: not a._others_listen, within=30, what="a alone again")
+    finally:
+        monkeypatch.undo()
+        a.close()
+
+
+async def test_a_new_listeners_waiters_look_again_once_other_hosts_heard_of_it(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host that listened alone ACKs without a NOTIFY until it hears a new listener's
+    hello: a waiter of the new host that looked before then finds such a result by one
+    more look once the hello has had time to be heard (a new epoch), not at the safety
+    re-check (30 s here)."""
+    from queryqueue.driver_postgres import store as pg
+
+    monkeypatch.setattr(pg, "LISTEN_GRACE_S", 5.0)
+    a = pg.PostgresQueueStore(URL, schema=schema)
+    monkeypatch.setattr(a, "_notifying", lambda: None)  # it never heard of b
+    b = pg.PostgresQueueStore(URL, schema=schema, recheck_ms=100)
+    looked = record_calls(monkeypatch, b, "_lookup")
+    try:
+        first_epoch = b._listen_epoch
+        item = a.add("p:k", "{}").id
+        waiter = asyncio.ensure_future(b.result_blocking(item, 30_000))
+        await wait_until(lambda: len(looked) == 1, within=30)
+        assert b._listen_epoch == first_epoch, "looked before the grace ended"
+        assert a.ack(item, '"r"').success
+        found = await asyncio.wait_for(waiter, 20)
+        assert found is not None and found.payload == '"r"'
+        assert len(looked) == 2 and b._listen_epoch == first_epoch + 1
+    finally:
+        monkeypatch.undo()
+        b.close()
+        a.close()
 
 
 async def test_a_long_poll_its_own_ack_answered_is_answered_on_the_loop(
