@@ -812,8 +812,9 @@ class PostgresTransaction:
 
     def insert_result(self, result: StoredResult) -> None:
         # A result is only ever inserted as its item is completed (an ACK, or a CANCEL
-        # with a result), which then notifies every host (`acked`): the NOTIFY rides on
-        # this INSERT, one statement (a round of psycopg and a backend wake-up) fewer.
+        # with a result), which then notifies the other hosts listening (`acked`): the
+        # NOTIFY rides on this INSERT, one statement (a round of psycopg and a backend
+        # wake-up) fewer; with none listening, there is none.
         values = (
             result.id,
             result.path,

@@ -906,6 +906,26 @@ def _recording_waits(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return events
 
 
+# The pool's read of PENDING's head (`_send_expected`, or the listing when not read ahead).
+_HEAD_READ = "ORDER BY priority DESC, id LIMIT"
+
+
+def _recording_pipelined(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every statement a pipelined batch sends from now on, on any thread (each goes
+    through a Lean, lean.py); `monkeypatch` puts `Lean.execute` back."""
+    from queryqueue.driver_postgres.lean import Lean
+
+    statements: list[str] = []
+    execute = Lean.execute
+
+    def recorded(self: Lean, query: Any, *args: Any, **kwargs: Any) -> Any:
+        statements.append(str(query))
+        return execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(Lean, "execute", recorded)
+    return statements
+
+
 def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1269,7 +1289,6 @@ async def test_an_idle_queues_ack_reads_no_head_and_another_hosts_work_is_still_
     queue's ACK (the fast track's, here) costs no listing. What another host adds then,
     unseen by this host's store, still runs here (the counts read with the lock show it
     to the retrieval, which then reads the head; or the pool's reconcile finds it)."""
-    from queryqueue.driver_postgres.lean import Lean
     from queryqueue.driver_postgres.store import PostgresQueueStore
     from tests.postgres_util import postgres_store
 
@@ -1277,21 +1296,16 @@ async def test_an_idle_queues_ack_reads_no_head_and_another_hosts_work_is_still_
     store = postgres_store()
     other = PostgresQueueStore(URL, schema=store.schema)  # another host's
     statements: list[str] = []
-    execute = Lean.execute
-
-    def recorded(self: Lean, query: Any, *args: Any, **kwargs: Any) -> Any:
-        statements.append(str(query))
-        return execute(self, query, *args, **kwargs)
 
     def head_reads() -> list[str]:
-        return [s for s in statements if "ORDER BY priority DESC, id LIMIT" in s]
+        return [s for s in statements if _HEAD_READ in s]
 
     try:
         async with pool_server(store, workdir) as (_, _, queue):
             prefix = queue.prefix
             await ask(queue, "sql", "first", {"key": "first", "seconds": 0}, priority=10)
             await wait_until(lambda: store.nothing_pending_seen(prefix), within=30)
-            monkeypatch.setattr(Lean, "execute", recorded)
+            statements = _recording_pipelined(monkeypatch)
             await ask(queue, "sql", "second", {"key": "second", "seconds": 0}, priority=10)
             assert any(s.startswith("DELETE FROM items") for s in statements), statements
             assert head_reads() == []
@@ -1692,20 +1706,12 @@ async def test_a_fast_tracked_querys_batch_reads_no_pending_head_for_the_pool(
     sends no read of PENDING's head for the pool ahead (an idle query's batch read it for
     nothing); nor does the ACK's, which frees a slot, as that batch left nothing pending
     (`nothing_pending_seen`)."""
-    from queryqueue.driver_postgres.lean import Lean
     from tests.postgres_util import postgres_store
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    statements: list[str] = []
-    lean_execute = Lean.execute
-
-    def recorded(self: Lean, query: Any, *args: Any, **kwargs: Any) -> Any:
-        statements.append(str(query))
-        return lean_execute(self, query, *args, **kwargs)
-
     async with pool_server(postgres_store(), workdir) as (_, _pool, queue):
         await queue.driver.call("ping")
-        monkeypatch.setattr(Lean, "execute", recorded)
+        statements = _recording_pipelined(monkeypatch)
         answer = await queue.execute_in_queue(
             "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
         )
@@ -1718,7 +1724,7 @@ async def test_a_fast_tracked_querys_batch_reads_no_pending_head_for_the_pool(
         if statement == "COMMIT":
             transactions.append(current)
             current = []
-    head = "ORDER BY priority DESC, id LIMIT"
+    head = _HEAD_READ
     added = [t for t in transactions if any(s.startswith("INSERT INTO items") for s in t)]
     acked = [t for t in transactions if any(s.startswith("DELETE FROM items") for s in t)]
     assert len(added) == 1 and len(acked) == 1, transactions
