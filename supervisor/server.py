@@ -663,9 +663,15 @@ class QueueServer:
         self.segments.adopt()  # large results a crashed supervisor acknowledged
         self._executing_on = asyncio.get_running_loop()
         if self.store.background_sync:
-            self._gate = SyncGate(self.store, self._executing_on, self._store_failed)
+            self._gate = SyncGate(
+                self.store, self._executing_on, self._store_failed, expecting=self._pool_runs
+            )
         self._schedule_turn()  # what arrived before start (nothing can have, but in case)
         self._sweeper = asyncio.ensure_future(self._sweep_forever())
+
+    def _pool_runs(self) -> bool:
+        """Whether the pool holds a query, whose ACK will commit soon (synced.py)."""
+        return self.pool is not None and self.pool.held > 0
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()

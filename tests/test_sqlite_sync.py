@@ -9,15 +9,18 @@ import errno
 import os
 import sqlite3
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from queryqueue import SocketQueueDriver, SqliteQueueStore, StoreError, SupervisorUnavailableError
+from queryqueue.engine.group_commit import GroupCommit
 from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.synced import SyncGate
 from tests.pool_util import pool_server
 from tests.trace import read_trace
 from tests.waiting import wait_until, wait_until_sync
@@ -290,3 +293,122 @@ async def test_a_supervisor_whose_sync_failed_exits_with_the_error(
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
         await driver.close()
+
+
+# -- the gate's delay: a sync waits for a commit that is due (synced.py) ----------------------
+
+
+class _Store:
+    """The store's side of the gate: the asks for a sync, answered by the test."""
+
+    def __init__(self) -> None:
+        self.asks: list[tuple[int, Callable[[BaseException | None], object]]] = []
+
+    def unsynced_commit(self) -> int | None:
+        return None
+
+    def when_synced(self, commit: int, callback: Callable[[BaseException | None], object]) -> None:
+        self.asks.append((commit, callback))
+
+    def sync_now(self) -> None:
+        raise AssertionError("not in these tests")
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.unsynced: deque[tuple[int, bytes]] = deque()
+        self.released: list[bytes] = []
+
+    def held(self, gate: SyncGate, commit: int) -> None:
+        self.unsynced.append((commit, b"frame %d" % commit))
+        gate.hold(self, commit)
+
+    def release_synced(self, commit: int | None) -> None:
+        while self.unsynced and (commit is None or self.unsynced[0][0] <= commit):
+            self.released.append(self.unsynced.popleft()[1])
+
+
+def _gate(store: _Store, due: list[bool], delay: float) -> SyncGate:
+    return SyncGate(
+        cast(GroupCommit, store),
+        asyncio.get_running_loop(),
+        lambda error: pytest.fail(f"no sync fails here: {error}"),
+        expecting=lambda: due[0],
+        delay=delay,
+    )
+
+
+async def _synced(store: _Store, ask: int) -> None:
+    """The syncer's answer to ask number `ask`, as it comes: through the loop."""
+    _, callback = store.asks[ask]
+    callback(None)
+    await asyncio.sleep(0)  # call_soon_threadsafe's callback runs
+
+
+async def test_with_no_commit_due_a_held_frame_asks_for_its_sync_at_once() -> None:
+    store, holder = _Store(), _Holder()
+    gate = _gate(store, [False], delay=3600)
+    holder.held(gate, 1)
+    assert [commit for commit, _ in store.asks] == [1]
+    await _synced(store, 0)
+    assert holder.released == [b"frame 1"] and not gate.holding
+
+
+async def test_while_a_commit_is_due_the_sync_waits_for_it_and_covers_both() -> None:
+    """The pool runs a query: its ACK will commit soon. The first frame's sync waits; the
+    ACK's frame, once nothing more is due, asks for one sync that covers both."""
+    store, holder, due = _Store(), _Holder(), [True]
+    gate = _gate(store, due, delay=3600)
+    holder.held(gate, 1)
+    await asyncio.sleep(0)
+    assert store.asks == []  # waits (the delay is an hour here)
+    due[0] = False
+    holder.held(gate, 2)
+    assert [commit for commit, _ in store.asks] == [2]
+    await _synced(store, 0)
+    assert holder.released == [b"frame 1", b"frame 2"] and not gate.holding
+
+
+async def test_a_sync_waits_for_a_due_commit_no_longer_than_its_delay() -> None:
+    store, holder = _Store(), _Holder()
+    gate = _gate(store, [True], delay=0.01)
+    holder.held(gate, 1)
+    assert store.asks == []
+    await wait_until(lambda: len(store.asks) == 1, what="the delayed ask")
+    assert store.asks[0][0] == 1
+    await _synced(store, 0)
+    assert holder.released == [b"frame 1"]
+
+
+async def test_frames_held_while_a_sync_runs_wait_for_the_next_one_as_the_first_did() -> None:
+    """Under load (a commit always due) each sync covers what was held while the one
+    before it ran: asked for `delay` after the first of those was held, not at once."""
+    loop = asyncio.get_running_loop()
+    store, holder, due = _Store(), _Holder(), [False]
+    gate = _gate(store, due, delay=0.2)
+    holder.held(gate, 1)  # asked at once: nothing due
+    due[0] = True
+    first_held = loop.time()
+    holder.held(gate, 2)
+    holder.held(gate, 3)
+    await _synced(store, 0)  # covers 1 only
+    assert holder.released == [b"frame 1"] and len(store.asks) == 1  # 2 and 3 wait
+    await wait_until(lambda: len(store.asks) == 2, what="the next ask")
+    assert loop.time() >= first_held + 0.2 - 0.001  # the timer's own slack
+    assert store.asks[1][0] == 3
+    await _synced(store, 1)
+    assert holder.released == [b"frame %d" % n for n in (1, 2, 3)] and not gate.holding
+
+
+async def test_in_a_supervisor_a_commit_is_due_while_its_pool_runs_a_query(
+    workdir: Path, held: HeldSync, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    held.armed = False
+    async with pool_server(_store(workdir / "q.db", held), workdir) as (server, _, queue):
+        gate = server._gate
+        assert gate is not None and not gate.expecting()
+        asking = asyncio.ensure_future(queue.run("sql", "slow", {"key": "slow", "seconds": 0.3}))
+        await wait_until(gate.expecting, what="the pool runs the query")
+        assert (await asyncio.wait_for(asking, 30))["key"] == "slow"
+        assert not gate.expecting()  # its ACK, answered before the result, freed the worker
