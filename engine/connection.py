@@ -38,7 +38,7 @@ class AddedToQueue:
     queue_size: int
     added_to_queue_time: int
     # Fast track: the query definition when ADD_AND_RETRIEVE handed us the item, with the
-    # active keys of the prefix.
+    # active keys of the prefix; None too when `dispatched`.
     retrieved: QueryDef | None = None
     active_keys: tuple[str, ...] = ()
     dispatched: bool = False  # the supervisor's pool already runs the retrieved item

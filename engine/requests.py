@@ -182,7 +182,8 @@ class RequestSide:
             "requestId": request.request_id,
             "waitingForRequestId": request.request_id,
         }
-        fast_tracked = added.retrieved is not None
+        # A dispatched answer carries no query: the supervisor's pool runs its own copy.
+        fast_tracked = added.retrieved is not None or added.dispatched
         if added.added:
             self.queue.events.emit(
                 ev.ADDED_TO_QUEUE,
@@ -195,7 +196,7 @@ class RequestSide:
                     "fastTrack": fast_tracked,
                 },
             )
-        if added.retrieved is not None:
+        if fast_tracked:
             if not added.dispatched:  # else the supervisor's pool has it already
                 await self._fast_track(query_key_hash, added, context)
             active_keys, to_process = list(added.active_keys), list[str]()

@@ -132,7 +132,9 @@ class Metrics:
                 self.dedup_hits.labels(prefix).inc()
             elif added:
                 self.added.labels(prefix).inc()
-            if method == "add_and_retrieve" and getattr(answer, "payload", None) is not None:
+            if method == "add_and_retrieve" and (
+                getattr(answer, "payload", None) is not None or getattr(answer, "dispatched", False)
+            ):
                 self.fast_track_hits.labels(prefix).inc()
         elif method == "cancel" and answer is not None:
             self.cancellations.labels(prefix).inc()

@@ -1196,15 +1196,12 @@ class QueueServer:
 
     @staticmethod
     def _fast_tracked_answer(answer: AddAndRetrieveResponse) -> AddAndRetrieveResponse:
-        # Built, not dataclasses.replace: that walks the fields on every fast-tracked query.
+        # Without the retrieved query: the caller sent it and the pool runs the store's
+        # copy, so echoing it (a query's SQL can be kilobytes) would cost every fast-tracked
+        # query a copy on the wire and a parse in the caller for nothing. Built, not
+        # dataclasses.replace: that walks the fields on every fast-tracked query.
         return AddAndRetrieveResponse(
-            answer.id,
-            answer.added,
-            answer.pending,
-            answer.active,
-            answer.payload,
-            answer.extra,
-            True,
+            answer.id, answer.added, answer.pending, answer.active, None, None, True
         )
 
     async def describe(self) -> dict[str, Any]:

@@ -301,6 +301,8 @@ async def test_a_fast_tracked_hand_off_leaves_before_its_batchs_answers(
     finally:
         await caller.close()
     assert urgent.dispatched
+    # Not echoed back: the caller sent the query, and the pool runs the store's copy.
+    assert urgent.payload is None and urgent.extra is None
     assert [c for c, _ in batches[0]] == ["add", "add_and_retrieve"]
     assert order[0] == ("hand-off", urgent.id)
     assert [kind for kind, _ in order[1:3]] == ["answer", "answer"]
