@@ -107,10 +107,13 @@ class SyncGate:
         if self._asked is None and self.holding:
             self._ask(self._wanted)
 
-    def _ask(self, commit: int) -> None:
+    def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _ask(self, commit: int) -> None:
+        self._cancel_timer()
         self._asked = commit
         self._since = None
         loop = self.loop
@@ -126,9 +129,7 @@ class SyncGate:
         self._asked = None
         holders = list(self.holding)
         if error is not None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._cancel_timer()
             self.holding.clear()
             self.failed(error)
             return
@@ -137,8 +138,7 @@ class SyncGate:
             if not holder.unsynced:
                 self.holding.discard(holder)
         if self.holding and self._wanted > commit:
-            if self._since is None:  # held while that sync ran: they waited since it began
-                self._since = self.loop.time()
+            # Held while that sync ran: `hold` noted when the first of them was.
             self._ask_or_wait()
 
     def release_now(self, holder: Holder) -> None:
