@@ -14,6 +14,12 @@ import os
 PEER = os.environ.get("QQ_PEER", "")
 WORKDIR = os.environ.get("QQ_PEER_DIR", "/tmp")
 REDIS_URL = os.environ.get("QQ_REDIS_URL", "redis://127.0.0.1:6379/0")
+# redis-py 8 gives a connection a 5 s socket timeout unless told otherwise: a result wait
+# longer than that (the priority burst's control arrivals wait seconds behind the backlog)
+# ended in a read timeout and lost the round (RQ's forking worker lost 4 of 5). The waits
+# ask for up to 600 s (peer_runner.wait); the socket allows a little more.
+REDIS_SOCKET_TIMEOUT_S = 660
+REDIS_SETTING = f"socket_timeout={REDIS_SOCKET_TIMEOUT_S} s (redis-py's 5 s ends long waits)"
 SETTINGS: dict[str, str] = {}
 
 if PEER.startswith("huey"):
@@ -24,9 +30,12 @@ if PEER.startswith("huey"):
         SETTINGS["storage"] = "SqliteHuey (its defaults: WAL, synchronous=NORMAL)"
     else:
         from huey import PriorityRedisHuey
+        from redis import ConnectionPool
 
-        huey = PriorityRedisHuey("bench", url=REDIS_URL, notify_result=True)
+        pool = ConnectionPool.from_url(REDIS_URL, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+        huey = PriorityRedisHuey("bench", connection_pool=pool, notify_result=True)
         SETTINGS["storage"] = "PriorityRedisHuey(notify_result=True): priorities, pushed results"
+        SETTINGS["redis"] = REDIS_SETTING
 
     @huey.task()
     def noop():
@@ -43,7 +52,8 @@ elif PEER.startswith("rq"):
     from redis import Redis
     from rq import Queue
 
-    redis = Redis.from_url(REDIS_URL)
+    redis = Redis.from_url(REDIS_URL, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+    SETTINGS["redis"] = REDIS_SETTING
     high = Queue("high", connection=redis)
     default = Queue("default", connection=redis)
 
