@@ -43,6 +43,11 @@ class AddedToQueue:
     active_keys: tuple[str, ...] = ()
     dispatched: bool = False  # the supervisor's pool already runs the retrieved item
 
+    @property
+    def fast_tracked(self) -> bool:
+        # A dispatched answer carries no query: the supervisor's pool runs its own copy.
+        return self.retrieved is not None or self.dispatched
+
 
 @dataclass(frozen=True, slots=True)
 class Retrieved:

@@ -182,8 +182,7 @@ class RequestSide:
             "requestId": request.request_id,
             "waitingForRequestId": request.request_id,
         }
-        # A dispatched answer carries no query: the supervisor's pool runs its own copy.
-        fast_tracked = added.retrieved is not None or added.dispatched
+        fast_tracked = added.fast_tracked
         if added.added:
             self.queue.events.emit(
                 ev.ADDED_TO_QUEUE,

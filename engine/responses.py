@@ -43,6 +43,11 @@ class AddAndRetrieveResponse:
     # its worker pool itself, so the caller has nothing to hand off.
     dispatched: bool = False
 
+    @property
+    def fast_tracked(self) -> bool:
+        """It retrieved the item it added: handed back, or (no payload) to the pool."""
+        return self.payload is not None or self.dispatched
+
 
 @dataclass(frozen=True, slots=True)
 class NextRetrieved:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from queryqueue.engine.responses import AddAndRetrieveResponse
 from queryqueue.supervisor.shm import parse_reference
 
 RECENT = 50  # completions and errors kept for the status page
@@ -132,9 +133,7 @@ class Metrics:
                 self.dedup_hits.labels(prefix).inc()
             elif added:
                 self.added.labels(prefix).inc()
-            if method == "add_and_retrieve" and (
-                getattr(answer, "payload", None) is not None or getattr(answer, "dispatched", False)
-            ):
+            if isinstance(answer, AddAndRetrieveResponse) and answer.fast_tracked:
                 self.fast_track_hits.labels(prefix).inc()
         elif method == "cancel" and answer is not None:
             self.cancellations.labels(prefix).inc()
