@@ -14,6 +14,7 @@ import orjson
 from queryqueue.engine.errors import QueueError
 from queryqueue.engine.version import package_version
 from queryqueue.supervisor import guard, logs
+from queryqueue.supervisor.linger import ACK_POLL_S
 from queryqueue.supervisor.logs import FORMAT_ENV, LEVEL_ENV, LEVELS
 from queryqueue.supervisor.loops import CHOICES, LoopUnavailableError, loop_factory
 from queryqueue.supervisor.paths import SOCKET_ENV, default_socket_path
@@ -148,6 +149,14 @@ def _parser() -> argparse.ArgumentParser:
         default="NORMAL",
         help="SQLite durability: FULL also survives power loss (answers wait for the WAL's fsync, "
         "made once for many commits off the loop)",
+    )
+    sup.add_argument(
+        "--ack-poll-us",
+        type=int,
+        default=round(ACK_POLL_S * 1e6),
+        metavar="US",
+        help="when the pool's queries usually come back within this many microseconds,"
+        " the supervisor polls for their ACKs instead of sleeping (0: never; SQLite)",
     )
     sup.add_argument(
         "--tcp-port",
@@ -390,6 +399,8 @@ def _supervisor(
         parser.error("--app and --workers go together")
     if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
         parser.error("--store takes a postgresql:// URL")
+    if args.ack_poll_us < 0:
+        parser.error("--ack-poll-us takes 0 (never poll) or more microseconds")
     if args.app is not None:
         try:  # here, so a typo is one line and not a worker's traceback
             load_app(args.app)
@@ -404,6 +415,7 @@ def _supervisor(
         args.store or args.db,
         socket_path,
         event_loop=args.loop,
+        ack_poll_s=args.ack_poll_us / 1e6,
         schema=args.schema,
         synchronous=args.synchronous,
         tcp_port=args.tcp_port,

@@ -21,6 +21,10 @@ arrives as a turn starts waits out that turn, then takes a transaction of its ow
 worker's next query waits for that commit. The loop's turn may wait up to a whole turn
 (`share` 1): while it waits the loop reads sockets, and what arrives joins the turn.
 
+The same averages say when not to sleep at all (`ack_due`): on SQLite, when the pool's
+queries come back sooner than a sleep and a wake-up cost (on a VM whose idle vCPU halts,
+tens of microseconds each way), the loop polls for their ACKs.
+
 Decide here, act in the server: this module only reads times it is given.
 """
 
@@ -36,6 +40,10 @@ _NEW = 0.2
 # Never longer than this, whatever the averages say: after a database outage a batch
 # took seconds, and half of that average would hold the next batches as long.
 MAX_WAIT_S = 0.05
+# When the pool's queries usually come back within this long of their hand-off, the loop
+# polls for their ACKs rather than sleep (`ack_due`): about what a sleep and a wake-up
+# cost on a VM whose idle vCPU halts, so that a longer query is never polled for.
+ACK_POLL_S = 0.0003
 
 
 @dataclass
@@ -79,6 +87,19 @@ class Linger:
                 waits.add(queue_id)
                 until = max(until, overdue)
         return waits, min(until, limit)
+
+    def ack_due(
+        self, running: Iterable[tuple[QueueId, float]], now: float, at_most: float
+    ) -> float | None:
+        """Until when an ACK of `running` (id, handed at) may arrive, if the pool's queries
+        usually come back within `at_most` of their hand-off: the loop polls its sockets
+        until then rather than sleep (None: none is due that soon)."""
+        if self.turnaround is None or self.turnaround > at_most:
+            return None
+        # Twice the usual, as `awaited`: a query a little slower than the usual is caught.
+        until = max((handed_at + 2 * self.turnaround for _, handed_at in running), default=now)
+        until = min(until, now + at_most)
+        return until if until > now else None
 
 
 def _moved(average: float | None, sample: float) -> float:

@@ -44,7 +44,7 @@ from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results, guard, loops, sqltext
 from queryqueue.supervisor.deadlines import Deadlines
 from queryqueue.supervisor.frames import FrameReader
-from queryqueue.supervisor.linger import Linger
+from queryqueue.supervisor.linger import ACK_POLL_S, Linger
 from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
@@ -570,6 +570,7 @@ class QueueServer:
         purge_interval: float = 10.0,
         hold_adds_s: float = HOLD_ADDS_S,
         defer_add_answers_s: float = DEFER_ADD_ANSWER_S,
+        ack_poll_s: float = ACK_POLL_S,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
@@ -582,6 +583,9 @@ class QueueServer:
         self.purge_interval = purge_interval
         self.hold_adds_s = hold_adds_s
         self.defer_add_answers_s = defer_add_answers_s
+        if ack_poll_s < 0:
+            raise ValueError(f"ack_poll_s must be 0 (off) or more, not {ack_poll_s!r}")
+        self.ack_poll_s = ack_poll_s
         self.store = store
         self.socket_path = Path(socket_path)
         self.tcp_host = tcp_host
@@ -621,6 +625,9 @@ class QueueServer:
         self._lingering: dict[str, tuple[asyncio.Future[None], set[Any]]] = {}
         # A store on the loop: the ACKs the loop's next turn waits for (`_lingers`).
         self._awaited_acks: set[QueueId] | None = None
+        # A store on the loop: polling for an ACK due soon until then (`_poll_for_acks`).
+        self._polling = False
+        self._poll_until = 0.0
         self._connections: set[_Connection] = set()
         self._to_flush: list[_Connection] = []  # `_flush_soon`'s, this loop iteration's
         self._flush_pass: asyncio.Handle | None = None  # that write pass, once scheduled
@@ -889,7 +896,9 @@ class QueueServer:
 
     def _ack_arrived(self, sent_at: float | None) -> None:
         """A worker's ACK arrived for a query handed to it at `sent_at`: the linger learns
-        how long that took."""
+        how long that took, and the poll for it is over (its turn polls again if another
+        is due)."""
+        self._poll_until = 0.0
         if sent_at is not None:
             self.linger.acked(sent_at, time.monotonic())
 
@@ -1293,6 +1302,34 @@ class QueueServer:
             # connections have read what arrived since: the next batch groups it.
             if self._carried or self._inbox:
                 self._schedule_turn()
+            self._poll_for_acks()
+
+    def _poll_for_acks(self) -> None:
+        """A store on the loop, its turn done: if a worker's ACK is due within `ack_poll_s`
+        (linger.py), the loop keeps polling its sockets until it arrives or is overdue,
+        rather than sleep. On a machine whose idle CPU halts (a VM's vCPU), the wake-up
+        that sleeping costs is tens of microseconds, a good part of a short query's round
+        trip; queries that take longer than that are never polled for."""
+        pool = self.pool
+        if pool is None or self.ack_poll_s <= 0 or self.store.blocking or self._stopping:
+            return
+        until = self.linger.ack_due(pool.running(), time.monotonic(), self.ack_poll_s)
+        if until is None:
+            return
+        self._poll_until = until
+        if not self._polling:
+            self._polling = True
+            self._loop().call_soon(self._poll_once)
+
+    def _poll_once(self) -> None:
+        # A callback always ready: the loop's next iteration polls with no timeout. The
+        # yield lets a process that waits for this CPU (a worker: SCHED_BATCH does not
+        # preempt) run first.
+        if time.monotonic() < self._poll_until:
+            os.sched_yield()
+            self._loop().call_soon(self._poll_once)
+        else:
+            self._polling = False
 
     def _settle(
         self,

@@ -862,3 +862,82 @@ async def test_on_sqlite_an_acks_freed_slot_is_filled_before_the_rest_of_its_bat
 
 def _starts(workdir: Path) -> list[str]:
     return [t[1] for t in read_trace(workdir) if t[0] == "start"]
+
+
+class _DueFor:
+    """`Linger.ack_due` as the test says: every running query's ACK due `seconds` from
+    now (None: off), nothing when no query runs."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def __call__(self, running: Any, now: float, at_most: float) -> float | None:
+        if self.seconds is None or not list(running):
+            return None
+        return now + self.seconds
+
+
+async def test_on_sqlite_the_loop_polls_for_a_due_ack_until_it_arrives(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ACK due soon (linger.py says so, here: for a minute) keeps the loop polling
+    from the turn that handed its query off; the ACK's arrival ends the poll at once,
+    not the minute, and with no query left running no other starts."""
+    async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
+        monkeypatch.setattr(server.linger, "ack_due", _DueFor(60.0))
+        prefix = server.pool.prefix if server.pool is not None else ""
+        added = await caller.add(f"{prefix}:quick", _sql("quick", 0.2))
+        # The turn that handed it off polls from its end, before its answer was written.
+        assert server._polling and server._poll_until > time.monotonic() + 30
+        result = await caller.result_blocking(f"{prefix}:quick", 30_000)
+        assert result is not None and added.added
+        await wait_until(lambda: not server._polling, within=10)
+
+
+async def test_on_sqlite_a_poll_for_an_ack_ends_when_it_is_overdue(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ACK that does not come when due: the loop stops polling at the deadline and
+    sleeps again while the query runs on."""
+    async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
+        monkeypatch.setattr(server.linger, "ack_due", _DueFor(0.2))
+        prefix = server.pool.prefix if server.pool is not None else ""
+        await caller.add(f"{prefix}:long", _sql("long", 30))
+        assert server._polling
+        await wait_until(lambda: not server._polling, within=10)
+        assert server.pool is not None and server.pool.running()  # still running
+        assert not [t for t in read_trace(workdir) if t[:2] == ["end", "long"]]
+
+
+@pytest.mark.parametrize("ack_poll_s", [0.0, None])
+async def test_on_sqlite_the_loop_never_polls_when_told_not_to_or_nothing_is_due(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, ack_poll_s: float | None
+) -> None:
+    async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
+        if ack_poll_s is None:  # polling on, the linger says no ACK is due soon
+            monkeypatch.setattr(server.linger, "ack_due", _DueFor(None))
+        else:
+            server.ack_poll_s = ack_poll_s
+            monkeypatch.setattr(server.linger, "ack_due", _DueFor(60.0))
+        prefix = server.pool.prefix if server.pool is not None else ""
+        await caller.add(f"{prefix}:one", _sql("one", 0.1))
+        assert not server._polling
+        assert await caller.result_blocking(f"{prefix}:one", 30_000) is not None
+        assert not server._polling
+
+
+def test_a_negative_ack_poll_is_refused(workdir: Path) -> None:
+    with pytest.raises(ValueError, match="ack_poll_s"):
+        QueueServer(MemoryQueueStore(), workdir / "s.sock", ack_poll_s=-1.0)
+
+
+def test_the_command_refuses_a_negative_ack_poll(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from queryqueue.supervisor.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["supervisor", "--db", str(workdir / "q.db"), "--ack-poll-us", "-5"])
+    assert exited.value.code == 2
+    assert "--ack-poll-us takes 0" in capsys.readouterr().err
+    assert not (workdir / "q.db").exists()  # refused before anything was opened

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from queryqueue.supervisor.linger import MAX_WAIT_S, Linger
+from queryqueue.supervisor.linger import ACK_POLL_S, MAX_WAIT_S, Linger
 
 
 def _learned(turnaround: float, batch: float) -> Linger:
@@ -84,3 +84,19 @@ def test_it_never_waits_longer_than_its_cap_whatever_the_averages() -> None:
     awaited, until = linger.awaited([(1, 100.0)], set(), 100.0)
     assert awaited == {1}
     assert until == pytest.approx(100.0 + MAX_WAIT_S)
+
+
+def test_an_ack_is_polled_for_only_when_queries_come_back_within_the_poll() -> None:
+    quick = _learned(turnaround=0.0001, batch=0.004)
+    # Handed at 100.0, usually back 0.1 ms later: due until twice that, from now on.
+    assert quick.ack_due([(1, 100.0)], 100.00005, ACK_POLL_S) == pytest.approx(100.0002)
+    # The latest of several; never past the poll's own length from now.
+    assert quick.ack_due([(1, 100.0), (2, 100.0001)], 100.0, ACK_POLL_S) == pytest.approx(100.0003)
+    assert quick.ack_due([(1, 100.0)], 100.0, 0.00015) == pytest.approx(100.00015)
+    # Overdue already, nothing running, nothing learned yet: no poll.
+    assert quick.ack_due([(1, 100.0)], 100.0003, ACK_POLL_S) is None
+    assert quick.ack_due([], 100.0, ACK_POLL_S) is None
+    assert Linger().ack_due([(1, 100.0)], 100.0, ACK_POLL_S) is None
+    # Queries that usually take longer than the poll are never polled for.
+    slow = _learned(turnaround=0.002, batch=0.004)
+    assert slow.ack_due([(1, 100.0)], 100.0, ACK_POLL_S) is None
