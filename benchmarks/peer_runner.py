@@ -196,6 +196,7 @@ def run_once(spec: dict, workdir: Path) -> dict:
     fresh_store(peer)
     context = multiprocessing.get_context("spawn")
     workers = start_workers(peer, env)
+    processes: list = []
     try:
         import peer_tasks as tasks
 
@@ -227,6 +228,12 @@ def run_once(spec: dict, workdir: Path) -> dict:
         for process in processes:
             process.join(30)
     finally:
+        # A failed run leaves request processes behind, one perhaps blocked handing its
+        # records to a queue nobody reads now: this process's exit would wait for it.
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(10)
         stop_workers(workers)
     return {"by_share": by_share, "cpu_s": meter.cpu_s, "peak_rss": meter.peak_rss}
 
