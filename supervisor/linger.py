@@ -82,7 +82,7 @@ class Linger:
             if queue_id in coming:
                 continue
             due = handed_at + self.turnaround
-            overdue = handed_at + 2 * self.turnaround  # a slower query than the usual
+            overdue = self._overdue(handed_at)
             if due <= limit and overdue > now:
                 waits.add(queue_id)
                 until = max(until, overdue)
@@ -96,10 +96,15 @@ class Linger:
         until then rather than sleep (None: none is due that soon)."""
         if self.turnaround is None or self.turnaround > at_most:
             return None
-        # Twice the usual, as `awaited`: a query a little slower than the usual is caught.
-        until = max((handed_at + 2 * self.turnaround for _, handed_at in running), default=now)
+        until = max((self._overdue(handed_at) for _, handed_at in running), default=now)
         until = min(until, now + at_most)
         return until if until > now else None
+
+    def _overdue(self, handed_at: float) -> float:
+        """When the ACK of a query handed off at `handed_at` is overdue: twice the usual
+        turnaround, so that a query a little slower than the usual is still waited for."""
+        assert self.turnaround is not None
+        return handed_at + 2 * self.turnaround
 
 
 def _moved(average: float | None, sample: float) -> float:

@@ -1297,21 +1297,21 @@ class QueueServer:
                 batch, answers, for_pool = self._execute_carrying(batch)
                 self._settle(batch, answers, for_pool)
                 self.linger.ran(time.monotonic() - began)
+                self._poll_for_acks()
         finally:
             # What is left (carried, or arrived meanwhile) goes in the next turn, after the
             # connections have read what arrived since: the next batch groups it.
             if self._carried or self._inbox:
                 self._schedule_turn()
-            self._poll_for_acks()
 
     def _poll_for_acks(self) -> None:
-        """A store on the loop, its turn done: if a worker's ACK is due within `ack_poll_s`
+        """A store on the loop, its turn settled: if a worker's ACK is due within `ack_poll_s`
         (linger.py), the loop keeps polling its sockets until it arrives or is overdue,
         rather than sleep. On a machine whose idle CPU halts (a VM's vCPU), the wake-up
         that sleeping costs is tens of microseconds, a good part of a short query's round
         trip; queries that take longer than that are never polled for."""
         pool = self.pool
-        if pool is None or self.ack_poll_s <= 0 or self.store.blocking or self._stopping:
+        if pool is None or self.ack_poll_s <= 0 or self._stopping:
             return
         until = self.linger.ack_due(pool.running(), time.monotonic(), self.ack_poll_s)
         if until is None:
