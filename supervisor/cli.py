@@ -14,7 +14,7 @@ import orjson
 from queryqueue.engine.errors import QueueError
 from queryqueue.engine.version import package_version
 from queryqueue.supervisor import guard, logs
-from queryqueue.supervisor.linger import ACK_POLL_S
+from queryqueue.supervisor.linger import POLL_S, WORKER_POLL_S
 from queryqueue.supervisor.logs import FORMAT_ENV, LEVEL_ENV, LEVELS
 from queryqueue.supervisor.loops import CHOICES, LoopUnavailableError, loop_factory
 from queryqueue.supervisor.paths import SOCKET_ENV, default_socket_path
@@ -151,12 +151,22 @@ def _parser() -> argparse.ArgumentParser:
         "made once for many commits off the loop)",
     )
     sup.add_argument(
+        "--poll-us",
         "--ack-poll-us",
+        dest="poll_us",
         type=int,
-        default=round(ACK_POLL_S * 1e6),
+        default=round(POLL_S * 1e6),
         metavar="US",
-        help="when the pool's queries usually come back within this many microseconds,"
-        " the supervisor polls for their ACKs instead of sleeping (0: never; SQLite)",
+        help="when a worker's ACK or a caller's next command usually comes within this many"
+        " microseconds, the supervisor polls for it instead of sleeping (0: never; SQLite)",
+    )
+    sup.add_argument(
+        "--worker-poll-us",
+        type=int,
+        default=round(WORKER_POLL_S * 1e6),
+        metavar="US",
+        help="when a worker's next query usually comes within this many microseconds of its"
+        " last ACK, the worker polls for it instead of sleeping (0: never)",
     )
     sup.add_argument(
         "--tcp-port",
@@ -399,8 +409,9 @@ def _supervisor(
         parser.error("--app and --workers go together")
     if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
         parser.error("--store takes a postgresql:// URL")
-    if args.ack_poll_us < 0:
-        parser.error("--ack-poll-us takes 0 (never poll) or more microseconds")
+    for option, value in (("--poll-us", args.poll_us), ("--worker-poll-us", args.worker_poll_us)):
+        if value < 0:
+            parser.error(f"{option} takes 0 (never poll) or more microseconds")
     if args.app is not None:
         try:  # here, so a typo is one line and not a worker's traceback
             load_app(args.app)
@@ -415,7 +426,7 @@ def _supervisor(
         args.store or args.db,
         socket_path,
         event_loop=args.loop,
-        ack_poll_s=args.ack_poll_us / 1e6,
+        poll_s=args.poll_us / 1e6,
         schema=args.schema,
         synchronous=args.synchronous,
         tcp_port=args.tcp_port,
@@ -437,6 +448,7 @@ def _supervisor(
         app=args.app,
         workers=workers,
         cancel_grace=args.cancel_grace,
+        worker_poll_s=args.worker_poll_us / 1e6,
         max_tasks_per_worker=args.max_tasks_per_worker,
         max_worker_deaths=args.max_worker_deaths,
         max_memory_per_worker=(

@@ -23,7 +23,9 @@ worker's next query waits for that commit. The loop's turn may wait up to a whol
 
 The same averages say when not to sleep at all (`ack_due`): on SQLite, when the pool's
 queries come back sooner than a sleep and a wake-up cost (on a VM whose idle vCPU halts,
-tens of microseconds each way), the loop polls for their ACKs.
+tens of microseconds each way), the loop polls for their ACKs. So for the other two
+waits of a query that callers send one after another (`Gap`): the loop for a caller's
+next command once it has answered, a worker for its next query once it has sent its ACK.
 
 Decide here, act in the server: this module only reads times it is given.
 """
@@ -41,9 +43,13 @@ _NEW = 0.2
 # took seconds, and half of that average would hold the next batches as long.
 MAX_WAIT_S = 0.05
 # When the pool's queries usually come back within this long of their hand-off, the loop
-# polls for their ACKs rather than sleep (`ack_due`): about what a sleep and a wake-up
-# cost on a VM whose idle vCPU halts, so that a longer query is never polled for.
-ACK_POLL_S = 0.0003
+# polls for their ACKs rather than sleep (`ack_due`), and for callers' next commands when
+# those usually follow their answers as soon (`Gap`): about what a sleep and a wake-up
+# cost on a VM whose idle vCPU halts, so that a longer wait is never polled for.
+POLL_S = 0.0003
+# A worker polls for its next query when that usually comes within this long of its last
+# ACK: the supervisor's answer, its caller's next command and its ADD lie between them.
+WORKER_POLL_S = 0.001
 
 
 @dataclass
@@ -105,6 +111,27 @@ class Linger:
         turnaround, so that a query a little slower than the usual is still waited for."""
         assert self.turnaround is not None
         return handed_at + 2 * self.turnaround
+
+
+@dataclass
+class Gap:
+    """How long a process usually waits for its next message from a given moment on (a
+    moving average): whether it polls for it rather than sleep, and until when. A wait
+    past the poll's limit counts as twice that limit, however long it was: the pause
+    before a burst moves the average a step, not for the burst's first thirty messages."""
+
+    average: float | None = None
+
+    def heard(self, waited: float, at_most: float) -> None:
+        """The next message came `waited` seconds after the moment waited from."""
+        self.average = _moved(self.average, min(max(0.0, waited), 2 * at_most))
+
+    def poll_until(self, since: float, at_most: float) -> float | None:
+        """Until when to poll for the next message, waited for since `since`: twice the
+        usual wait, and never past `at_most` after it (None: it usually takes longer)."""
+        if self.average is None or self.average > at_most:
+            return None
+        return since + min(2 * self.average, at_most)
 
 
 def _moved(average: float | None, sample: float) -> float:

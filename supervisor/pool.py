@@ -42,6 +42,7 @@ from queryqueue.engine.responses import QueueId, QueueKey
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import logs, loops
+from queryqueue.supervisor.linger import WORKER_POLL_S, Gap
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.protocol import decode_retrieved, encode_retrieved
 from queryqueue.supervisor.shm import DEFAULT_THRESHOLD
@@ -65,6 +66,10 @@ SYNC_HANDLER_WAIT = 0.002
 # Messages to a worker over its pipe, by their first byte (and _CANCEL); an empty one asks
 # it to exit.
 _JOB = b"J"
+# A job retrieved with nothing else pending (the queue is not saturated): after it, the
+# worker may poll for its next rather than sleep (`_worker_loop`). A saturated queue's
+# workers never poll: spinning, they took the CPU its supervisor and callers needed.
+_JOB_THEN_POLL = b"P"
 # From a worker, each followed by the queue id (JSON) of the query it is about (and the
 # watch's: _DRAINING, a handler of it still runs, no more work till it ends; _TIMED_OUT;
 # _CANCEL_HANDLER). None after an ACK its supervisor answered: the supervisor saw it
@@ -127,9 +132,13 @@ class WorkerPool:
         max_worker_deaths: int = 3,
         event_loop: LoopChoice = "auto",
         context: Any = None,
+        worker_poll_s: float = WORKER_POLL_S,
     ) -> None:
         if workers < 1:
             raise ValueError("a pool needs at least one worker")
+        if worker_poll_s < 0:
+            raise ValueError(f"worker_poll_s must be 0 (off) or more, not {worker_poll_s!r}")
+        self.worker_poll_s = worker_poll_s
         if max_worker_deaths < 1:
             raise ValueError("max_worker_deaths must be at least 1")
         self.max_worker_deaths = max_worker_deaths
@@ -331,7 +340,14 @@ class WorkerPool:
         try:
             process = self._context.Process(
                 target=worker_main,
-                args=(self.app_ref, self.socket_path, child, self.shm_threshold, self.event_loop),
+                args=(
+                    self.app_ref,
+                    self.socket_path,
+                    child,
+                    self.shm_threshold,
+                    self.event_loop,
+                    self.worker_poll_s,
+                ),
                 daemon=True,
             )
             process.start()
@@ -429,7 +445,7 @@ class WorkerPool:
             _Job(
                 retrieved.queue_id,
                 path,
-                _JOB + encode_retrieved(retrieved),
+                job_message(retrieved),
                 handler=str(query.get("queryHandler") or ""),
                 query_key=_shown_key(query.get("queryKey")),
                 priority=priority if isinstance(priority, int) else 0,
@@ -853,6 +869,7 @@ def worker_main(
     conn: Any,
     shm_threshold: int | None,
     event_loop: LoopChoice = "auto",
+    poll_s: float = 0.0,
 ) -> None:
     import faulthandler
     import signal
@@ -864,7 +881,34 @@ def worker_main(
     supervisor = os.getppid()
     _die_with_parent()
     logs.configure(role="worker")  # the supervisor's level and format, on its stream
-    loops.run(_worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor), event_loop)
+    loops.run(
+        _worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor, poll_s), event_loop
+    )
+
+
+class _Polling:
+    """The loop polls (a callback always ready: its iterations wait for nothing) until
+    `stop()` or `until`; each pass yields the CPU to whoever waits for it first."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, until: float) -> None:
+        self._loop = loop
+        self._until = until
+        self._on = True
+        loop.call_soon(self._pass)
+
+    def _pass(self) -> None:
+        if self._on and time.monotonic() < self._until:
+            os.sched_yield()
+            self._loop.call_soon(self._pass)
+
+    def stop(self) -> None:
+        self._on = False
+
+
+def job_message(retrieved: RetrievedQuery) -> bytes:
+    """What a worker is sent to run `retrieved`: retrieved with nothing else pending (the
+    queue is not saturated), it says the worker may poll for its next afterwards."""
+    return (_JOB_THEN_POLL if retrieved.queue_size == 0 else _JOB) + encode_retrieved(retrieved)
 
 
 def _report(kind: bytes, queue_id: QueueId) -> bytes:
@@ -941,7 +985,12 @@ def _die_with_parent() -> None:
 
 
 async def _worker_loop(
-    app_ref: str, socket_path: str, conn: Any, shm_threshold: int | None, supervisor: int
+    app_ref: str,
+    socket_path: str,
+    conn: Any,
+    shm_threshold: int | None,
+    supervisor: int,
+    poll_s: float = 0.0,
 ) -> None:
     """Run what the supervisor hands over, one query at a time: the next starts once the
     last one's ACK has gone out, not once it is answered (the supervisor sends the next as
@@ -951,7 +1000,12 @@ async def _worker_loop(
     When the supervisor dies (the pipe's EOF, or SIGTERM from PR_SET_PDEATHSIG) the worker
     takes no more work and finishes the query in hand: its ACK goes to a supervisor that is
     back on the socket within the client's reconnect timeout (no work lost), else the item
-    is reclaimed as stalled by the next one. Then it exits."""
+    is reclaimed as stalled by the next one. Then it exits.
+
+    Between queries it polls for the next rather than sleep when that usually comes within
+    `poll_s` of its last ACK (linger.Gap): a caller sending queries one after another has
+    the next handed over a few hundred microseconds later, and on a VM the wake-up of a
+    halted vCPU costs tens of them."""
     import signal
 
     from queryqueue.supervisor.app import load_app
@@ -994,9 +1048,22 @@ async def _worker_loop(
     loop.add_signal_handler(signal.SIGTERM, gone)
     if os.getppid() != supervisor:  # it died before PR_SET_PDEATHSIG was in place
         gone()
+    next_query = Gap()
+    may_poll = False
     try:
         while True:
+            waited_from = time.monotonic()
+            polling = None
+            if may_poll and arrived.empty():
+                until = next_query.poll_until(waited_from, poll_s)
+                if until is not None:
+                    polling = _Polling(loop, until)
             blob = await arrived.get()
+            if polling is not None:
+                polling.stop()
+            if poll_s > 0:
+                next_query.heard(time.monotonic() - waited_from, poll_s)
+            may_poll = poll_s > 0 and blob[:1] == _JOB_THEN_POLL
             if not blob:
                 break
             retrieved = decode_retrieved(blob[1:])

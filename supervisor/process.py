@@ -12,7 +12,7 @@ from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import guard, loops
-from queryqueue.supervisor.linger import ACK_POLL_S
+from queryqueue.supervisor.linger import POLL_S
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import Limits, QueueServer
@@ -59,7 +59,7 @@ async def serve(
     workers: int = 0,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
-    ack_poll_s: float = ACK_POLL_S,
+    poll_s: float = POLL_S,
     **pool_options: Any,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
@@ -92,7 +92,7 @@ async def serve(
             workers=workers,
             ready=ready,
             stop=stop,
-            ack_poll_s=ack_poll_s,
+            poll_s=poll_s,
             **pool_options,
         )
     finally:
@@ -118,7 +118,7 @@ async def _serve_store(
     workers: int,
     ready: asyncio.Event | None,
     stop: asyncio.Event | None,
-    ack_poll_s: float,
+    poll_s: float,
     **pool_options: Any,
 ) -> None:
     pool = (
@@ -134,7 +134,7 @@ async def _serve_store(
         tcp_token=token if tcp_port is not None else None,
         pool=pool,
         limits=limits,
-        ack_poll_s=ack_poll_s,
+        poll_s=poll_s,
     )
     if shm_caps is not None:
         server.segments.max_total_bytes, server.segments.max_connection_bytes = shm_caps

@@ -44,7 +44,7 @@ from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results, guard, loops, sqltext
 from queryqueue.supervisor.deadlines import Deadlines
 from queryqueue.supervisor.frames import FrameReader
-from queryqueue.supervisor.linger import ACK_POLL_S, Linger
+from queryqueue.supervisor.linger import POLL_S, Gap, Linger
 from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.protocol import (
@@ -570,7 +570,7 @@ class QueueServer:
         purge_interval: float = 10.0,
         hold_adds_s: float = HOLD_ADDS_S,
         defer_add_answers_s: float = DEFER_ADD_ANSWER_S,
-        ack_poll_s: float = ACK_POLL_S,
+        poll_s: float = POLL_S,
     ) -> None:
         if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
@@ -583,9 +583,9 @@ class QueueServer:
         self.purge_interval = purge_interval
         self.hold_adds_s = hold_adds_s
         self.defer_add_answers_s = defer_add_answers_s
-        if ack_poll_s < 0:
-            raise ValueError(f"ack_poll_s must be 0 (off) or more, not {ack_poll_s!r}")
-        self.ack_poll_s = ack_poll_s
+        if poll_s < 0:
+            raise ValueError(f"poll_s must be 0 (off) or more, not {poll_s!r}")
+        self.poll_s = poll_s
         self.store = store
         self.socket_path = Path(socket_path)
         self.tcp_host = tcp_host
@@ -628,6 +628,10 @@ class QueueServer:
         # A store on the loop: polling for an ACK due soon until then (`_poll_for_acks`).
         self._polling = False
         self._poll_until = 0.0
+        # When callers were last answered (None: a command came since), and how soon their
+        # next command usually follows (`_poll_for_commands`).
+        self._answered_at: float | None = None
+        self._next_command = Gap()
         self._connections: set[_Connection] = set()
         self._to_flush: list[_Connection] = []  # `_flush_soon`'s, this loop iteration's
         self._flush_pass: asyncio.Handle | None = None  # that write pass, once scheduled
@@ -821,6 +825,8 @@ class QueueServer:
         self.segments.drop_owner(connection)
 
     def _accept(self, connection: _Connection, body: bytes) -> None:
+        if self._answered_at is not None and not connection.worker:
+            self._command_arrived(self._answered_at)
         request_id: Any = None
         try:
             message = orjson.loads(body)
@@ -958,12 +964,16 @@ class QueueServer:
         # Callers first: an answer ends a caller's wait; a worker's ACK answer only lets it
         # wait for a hand-off, which, if there is one, left already (and each write
         # that wakes a process costs the loop tens of microseconds).
+        answered = False
         for connection in connections:
             if not connection.worker:
                 connection.flush()
+                answered = True
         for connection in connections:
             if connection.worker:
                 connection.flush()
+        if answered:
+            self._poll_for_commands()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         # Kept since start: on 3.11 each get_running_loop() is a getpid() system call.
@@ -1305,18 +1315,39 @@ class QueueServer:
                 self._schedule_turn()
 
     def _poll_for_acks(self) -> None:
-        """A store on the loop, its turn settled: if a worker's ACK is due within `ack_poll_s`
+        """A store on the loop, its turn settled: if a worker's ACK is due within `poll_s`
         (linger.py), the loop keeps polling its sockets until it arrives or is overdue,
         rather than sleep. On a machine whose idle CPU halts (a VM's vCPU), the wake-up
         that sleeping costs is tens of microseconds, a good part of a short query's round
         trip; queries that take longer than that are never polled for."""
         pool = self.pool
-        if pool is None or self.ack_poll_s <= 0 or self._stopping:
+        if pool is None or self.poll_s <= 0 or self._stopping:
             return
-        until = self.linger.ack_due(pool.running(), time.monotonic(), self.ack_poll_s)
-        if until is None:
+        until = self.linger.ack_due(pool.running(), time.monotonic(), self.poll_s)
+        if until is not None:
+            self._poll(until)
+
+    def _poll_for_commands(self) -> None:
+        """A store on the loop, callers answered: if their next command usually follows
+        within `poll_s` (a caller that sends its queries one after another), the loop polls
+        for it rather than sleep, for `_poll_for_acks`' reason."""
+        if self.poll_s <= 0 or self._stopping or self.store.blocking:
             return
-        self._poll_until = until
+        now = time.monotonic()
+        self._answered_at = now
+        until = self._next_command.poll_until(now, self.poll_s)
+        if until is not None:
+            self._poll(until)
+
+    def _command_arrived(self, answered_at: float) -> None:
+        """A caller's command after answers: how long it took teaches the next poll, and
+        this one is over (the turn's end polls again if an ACK is due then)."""
+        self._answered_at = None
+        self._poll_until = 0.0
+        self._next_command.heard(time.monotonic() - answered_at, self.poll_s)
+
+    def _poll(self, until: float) -> None:
+        self._poll_until = max(self._poll_until, until)
         if not self._polling:
             self._polling = True
             self._loop().call_soon(self._poll_once)

@@ -926,16 +926,29 @@ async def test_on_sqlite_a_poll_for_an_ack_ends_when_it_is_overdue(
         assert not [t for t in read_trace(workdir) if t[:2] == ["end", "long"]]
 
 
-@pytest.mark.parametrize("ack_poll_s", [0.0, None])
+class _NextIn:
+    """`Gap.poll_until` as the test says: a caller's next command due `seconds` after its
+    answer (None: not soon)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def __call__(self, since: float, at_most: float) -> float | None:
+        return None if self.seconds is None else since + self.seconds
+
+
+@pytest.mark.parametrize("poll_s", [0.0, None])
 async def test_on_sqlite_the_loop_never_polls_when_told_not_to_or_nothing_is_due(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch, ack_poll_s: float | None
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, poll_s: float | None
 ) -> None:
     async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
-        if ack_poll_s is None:  # polling on, the linger says no ACK is due soon
+        if poll_s is None:  # polling on, but no ACK nor next command is due soon
             monkeypatch.setattr(server.linger, "ack_due", _DueFor(None))
+            monkeypatch.setattr(server._next_command, "poll_until", _NextIn(None))
         else:
-            server.ack_poll_s = ack_poll_s
+            server.poll_s = poll_s
             monkeypatch.setattr(server.linger, "ack_due", _DueFor(60.0))
+            monkeypatch.setattr(server._next_command, "poll_until", _NextIn(60.0))
         prefix = server.pool.prefix if server.pool is not None else ""
         await caller.add(f"{prefix}:one", _sql("one", 0.1))
         assert not server._polling
@@ -943,18 +956,78 @@ async def test_on_sqlite_the_loop_never_polls_when_told_not_to_or_nothing_is_due
         assert not server._polling
 
 
-def test_a_negative_ack_poll_is_refused(workdir: Path) -> None:
-    with pytest.raises(ValueError, match="ack_poll_s"):
-        QueueServer(MemoryQueueStore(), workdir / "s.sock", ack_poll_s=-1.0)
+@contextlib.asynccontextmanager
+async def _poolless(workdir: Path, store: Any) -> AsyncIterator[tuple[QueueServer, Any]]:
+    """A server with no pool (no worker's ACK comes in between) and one caller."""
+    server = QueueServer(store, workdir / "s.sock")
+    await server.start()
+    caller = SocketQueueDriver(server.socket_path)
+    try:
+        yield server, caller
+    finally:
+        await caller.close()
+        await server.stop()
+        store.close()
 
 
-def test_the_command_refuses_a_negative_ack_poll(
-    workdir: Path, capsys: pytest.CaptureFixture[str]
+async def test_on_sqlite_the_loop_polls_for_a_callers_next_command_until_it_arrives(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once it has answered a caller whose next command usually follows soon (here: within a
+    minute), the loop polls rather than sleep. The next command ends the poll at once, not
+    the minute, and teaches the gap how long it took."""
+    async with _poolless(workdir, SqliteQueueStore(workdir / "q.db")) as (server, caller):
+        monkeypatch.setattr(server._next_command, "poll_until", _NextIn(60.0))
+        await caller.add("p:one", _sql("one", 0))
+        # Polling from the write pass that answered, before the caller had the answer.
+        assert server._polling and server._poll_until > time.monotonic() + 30
+        heard = record_calls(monkeypatch, server._next_command, "heard")
+        monkeypatch.setattr(server, "_poll_for_commands", lambda: None)  # not again
+        await caller.add("p:two", _sql("two", 0))
+        await wait_until(lambda: not server._polling, within=10)
+        assert len(heard) == 1 and 0 <= heard[0][0] < 10
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite-off", "sqlite-not-soon", "postgres"])
+async def test_the_loop_never_polls_for_a_next_command_when_off_not_soon_or_off_the_loop(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, store_kind: str
+) -> None:
+    """Off (0), when callers do not usually come back that soon, and on a store whose
+    commands run off the loop (PostgreSQL: its lanes' threads would wait for the GIL)."""
+    if store_kind == "postgres":
+        from tests.postgres_util import postgres_store
+
+        store: Any = postgres_store()
+    else:
+        store = SqliteQueueStore(workdir / "q.db")
+    async with _poolless(workdir, store) as (server, caller):
+        soon = _NextIn(None if store_kind == "sqlite-not-soon" else 60.0)
+        monkeypatch.setattr(server._next_command, "poll_until", soon)
+        if store_kind == "sqlite-off":
+            server.poll_s = 0.0
+        for key in ("one", "two", "three"):
+            await caller.add(f"p:{key}", _sql(key, 0))
+            assert not server._polling
+
+
+def test_a_negative_poll_is_refused(workdir: Path) -> None:
+    with pytest.raises(ValueError, match="poll_s"):
+        QueueServer(MemoryQueueStore(), workdir / "s.sock", poll_s=-1.0)
+    with pytest.raises(ValueError, match="worker_poll_s"):
+        WorkerPool(
+            "tests.apps.pool_app:app", workdir / "s.sock", MemoryQueueStore(), worker_poll_s=-1.0
+        )
+
+
+@pytest.mark.parametrize("option", ["--poll-us", "--ack-poll-us", "--worker-poll-us"])
+def test_the_command_refuses_a_negative_poll(
+    workdir: Path, capsys: pytest.CaptureFixture[str], option: str
 ) -> None:
     from queryqueue.supervisor.cli import main
 
     with pytest.raises(SystemExit) as exited:
-        main(["supervisor", "--db", str(workdir / "q.db"), "--ack-poll-us", "-5"])
+        main(["supervisor", "--db", str(workdir / "q.db"), option, "-5"])
     assert exited.value.code == 2
-    assert "--ack-poll-us takes 0" in capsys.readouterr().err
+    named = "--worker-poll-us" if option == "--worker-poll-us" else "--poll-us"
+    assert f"{named} takes 0" in capsys.readouterr().err
     assert not (workdir / "q.db").exists()  # refused before anything was opened

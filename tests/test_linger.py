@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from queryqueue.supervisor.linger import ACK_POLL_S, MAX_WAIT_S, Linger
+from queryqueue.supervisor.linger import MAX_WAIT_S, POLL_S, Gap, Linger
 
 
 def _learned(turnaround: float, batch: float) -> Linger:
@@ -89,14 +89,43 @@ def test_it_never_waits_longer_than_its_cap_whatever_the_averages() -> None:
 def test_an_ack_is_polled_for_only_when_queries_come_back_within_the_poll() -> None:
     quick = _learned(turnaround=0.0001, batch=0.004)
     # Handed at 100.0, usually back 0.1 ms later: due until twice that, from now on.
-    assert quick.ack_due([(1, 100.0)], 100.00005, ACK_POLL_S) == pytest.approx(100.0002)
+    assert quick.ack_due([(1, 100.0)], 100.00005, POLL_S) == pytest.approx(100.0002)
     # The latest of several; never past the poll's own length from now.
-    assert quick.ack_due([(1, 100.0), (2, 100.0001)], 100.0, ACK_POLL_S) == pytest.approx(100.0003)
+    assert quick.ack_due([(1, 100.0), (2, 100.0001)], 100.0, POLL_S) == pytest.approx(100.0003)
     assert quick.ack_due([(1, 100.0)], 100.0, 0.00015) == pytest.approx(100.00015)
     # Overdue already, nothing running, nothing learned yet: no poll.
-    assert quick.ack_due([(1, 100.0)], 100.0003, ACK_POLL_S) is None
-    assert quick.ack_due([], 100.0, ACK_POLL_S) is None
-    assert Linger().ack_due([(1, 100.0)], 100.0, ACK_POLL_S) is None
+    assert quick.ack_due([(1, 100.0)], 100.0003, POLL_S) is None
+    assert quick.ack_due([], 100.0, POLL_S) is None
+    assert Linger().ack_due([(1, 100.0)], 100.0, POLL_S) is None
     # Queries that usually take longer than the poll are never polled for.
     slow = _learned(turnaround=0.002, batch=0.004)
-    assert slow.ack_due([(1, 100.0)], 100.0, ACK_POLL_S) is None
+    assert slow.ack_due([(1, 100.0)], 100.0, POLL_S) is None
+
+
+def test_a_next_message_is_polled_for_while_it_usually_comes_within_the_poll() -> None:
+    gap = Gap()
+    assert gap.poll_until(100.0, 0.001) is None  # nothing learned yet
+    gap.heard(0.0002, 0.001)
+    # Twice the usual wait from the moment waited from; never past the poll's length.
+    assert gap.poll_until(100.0, 0.001) == pytest.approx(100.0004)
+    assert gap.poll_until(100.0, 0.0003) == pytest.approx(100.0003)
+    # A wait usually longer than the poll is never polled for.
+    assert gap.poll_until(100.0, 0.0001) is None
+
+
+def test_a_pause_moves_the_gap_a_step_and_quick_messages_bring_it_back() -> None:
+    gap = Gap()
+    for _ in range(20):
+        gap.heard(0.0002, 0.001)
+    # An hour's pause counts as twice the poll: the average moves one step, not an hour's.
+    gap.heard(3600.0, 0.001)
+    assert gap.average == pytest.approx(0.0002 + 0.2 * (0.002 - 0.0002))
+    assert gap.poll_until(100.0, 0.001) is not None
+    for _ in range(3):
+        gap.heard(3600.0, 0.001)
+    assert gap.poll_until(100.0, 0.001) is None  # pauses now: it sleeps
+    for _ in range(10):
+        gap.heard(0.0002, 0.001)
+    assert gap.poll_until(100.0, 0.001) is not None  # quick again: it polls again
+    gap.heard(-1.0, 0.001)  # a clock that went back counts as no wait, not a negative one
+    assert gap.average is not None and gap.average >= 0

@@ -1,0 +1,108 @@
+"""A pool worker between queries (pool._worker_loop): it polls for its next query when the
+one it ran was retrieved with nothing else pending and its queries usually follow each
+other within its poll (linger.Gap); after a query of a saturated queue it sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+import orjson
+import pytest
+
+from queryqueue import SqliteQueueStore
+from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.supervisor import pool as pool_module
+from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.supervisor.server import QueueServer
+from tests.waiting import wait_until
+
+APP = "tests.apps.pool_app:app"
+PREFIX = "pool"  # the app's queue
+
+
+@asynccontextmanager
+async def _worker(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, poll_s: float
+) -> AsyncIterator[tuple[SocketQueueDriver, Any, list[bool]]]:
+    """A server (no pool: the test hands off, as a pool would) and a worker loop run here,
+    on the test's loop, given its jobs through a pipe. Each pass of its poll is recorded:
+    whether it was still on."""
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = SqliteQueueStore(workdir / "q.db")
+    server = QueueServer(store, workdir / "s.sock")
+    await server.start()
+    caller = SocketQueueDriver(server.socket_path)
+    parent, child = multiprocess.Pipe()
+    passes: list[bool] = []
+    real = pool_module._Polling._pass
+
+    def recorded(polling: Any) -> None:
+        passes.append(polling._on)
+        real(polling)
+
+    monkeypatch.setattr(pool_module._Polling, "_pass", recorded)
+    worker = asyncio.ensure_future(
+        pool_module._worker_loop(APP, str(server.socket_path), child, None, os.getppid(), poll_s)
+    )
+    try:
+        yield caller, parent, passes
+    finally:
+        parent.send_bytes(b"")  # exit
+        await asyncio.wait_for(worker, 30)
+        parent.close()
+        child.close()
+        await caller.close()
+        await server.stop()
+        store.close()
+
+
+async def _run(caller: SocketQueueDriver, conn: Any, key: str, pending: int) -> None:
+    """Add `key`, retrieve it as the pool would (`pending` others left behind it), hand it
+    to the worker, and wait for its result."""
+    path = f"{PREFIX}:{key}"
+    payload = orjson.dumps({"queryHandler": "sql", "query": {"key": key, "seconds": 0}}).decode()
+    added = await caller.add_and_retrieve(path, payload, 1)
+    assert added.payload is not None
+    retrieved = RetrievedQuery(key, added.id, added.id, pending, orjson.loads(added.payload))
+    conn.send_bytes(pool_module.job_message(retrieved))
+    assert await caller.result_blocking(path, 30_000) is not None
+
+
+async def test_a_worker_polls_for_its_next_query_only_after_one_of_an_unsaturated_queue(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with _worker(workdir, monkeypatch, poll_s=60.0) as (caller, conn, passes):
+        await _run(caller, conn, "first", pending=0)
+        # Polling now (a minute at most: its next usually comes within the poll), until
+        # a hand-off arrives.
+        await wait_until(lambda: len(passes) > 2, what="the worker polling")
+        await _run(caller, conn, "second", pending=3)
+        polled = len(passes)
+        assert passes[-1] is False  # the hand-off's arrival ended it, not the minute
+        # After a query retrieved with others pending, it sleeps: no pass while its next
+        # (and that one's whole round trip) is on its way.
+        await _run(caller, conn, "third", pending=2)
+        assert len(passes) == polled
+
+
+async def test_a_worker_never_polls_when_told_not_to(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with _worker(workdir, monkeypatch, poll_s=0.0) as (caller, conn, passes):
+        for key in ("first", "second", "third"):
+            await _run(caller, conn, key, pending=0)
+        assert passes == []
+
+
+def test_a_hand_off_says_whether_the_worker_may_poll_after_it() -> None:
+    def blob(pending: int) -> bytes:
+        return pool_module.job_message(RetrievedQuery("k", 1, 1, pending, {}))
+
+    assert blob(0)[:1] == pool_module._JOB_THEN_POLL
+    assert blob(1)[:1] == blob(500)[:1] == pool_module._JOB
