@@ -886,25 +886,6 @@ def worker_main(
     )
 
 
-class _Polling:
-    """The loop polls (a callback always ready: its iterations wait for nothing) until
-    `stop()` or `until`; each pass yields the CPU to whoever waits for it first."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, until: float) -> None:
-        self._loop = loop
-        self._until = until
-        self._on = True
-        loop.call_soon(self._pass)
-
-    def _pass(self) -> None:
-        if self._on and time.monotonic() < self._until:
-            os.sched_yield()
-            self._loop.call_soon(self._pass)
-
-    def stop(self) -> None:
-        self._on = False
-
-
 def job_message(retrieved: RetrievedQuery) -> bytes:
     """What a worker is sent to run `retrieved`: retrieved with nothing else pending (the
     queue is not saturated), it says the worker may poll for its next afterwards."""
@@ -1050,17 +1031,16 @@ async def _worker_loop(
         gone()
     next_query = Gap()
     may_poll = False
+    polling = loops.Polling(loop)
     try:
         while True:
             waited_from = time.monotonic()
-            polling = None
             if may_poll and arrived.empty():
                 until = next_query.poll_until(waited_from, poll_s)
                 if until is not None:
-                    polling = _Polling(loop, until)
+                    polling.extend(until)
             blob = await arrived.get()
-            if polling is not None:
-                polling.stop()
+            polling.stop()
             if poll_s > 0:
                 next_query.heard(time.monotonic() - waited_from, poll_s)
             may_poll = poll_s > 0 and blob[:1] == _JOB_THEN_POLL

@@ -65,7 +65,7 @@ async def serve(
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
 
     `pool_options` go to `WorkerPool` (event_loop, cancel_grace, max_tasks_per_worker,
-    max_memory_per_worker, shm_threshold)."""
+    max_memory_per_worker, shm_threshold, worker_poll_s)."""
     socket_path = Path(socket_path)
     guard.private_directory(socket_path.parent)
     token = None

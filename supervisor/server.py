@@ -625,9 +625,9 @@ class QueueServer:
         self._lingering: dict[str, tuple[asyncio.Future[None], set[Any]]] = {}
         # A store on the loop: the ACKs the loop's next turn waits for (`_lingers`).
         self._awaited_acks: set[QueueId] | None = None
-        # A store on the loop: polling for an ACK due soon until then (`_poll_for_acks`).
-        self._polling = False
-        self._poll_until = 0.0
+        # A store on the loop: polling for an ACK or a caller's next command due soon
+        # (`_poll_for_acks`, `_poll_for_commands`).
+        self._polling = loops.Polling()
         # When callers were last answered (None: a command came since), and how soon their
         # next command usually follows (`_poll_for_commands`).
         self._answered_at: float | None = None
@@ -904,7 +904,7 @@ class QueueServer:
         """A worker's ACK arrived for a query handed to it at `sent_at`: the linger learns
         how long that took, and the poll for it is over (its turn polls again if another
         is due)."""
-        self._poll_until = 0.0
+        self._polling.stop()
         if sent_at is not None:
             self.linger.acked(sent_at, time.monotonic())
 
@@ -1325,7 +1325,7 @@ class QueueServer:
             return
         until = self.linger.ack_due(pool.running(), time.monotonic(), self.poll_s)
         if until is not None:
-            self._poll(until)
+            self._polling.extend(until)
 
     def _poll_for_commands(self) -> None:
         """A store on the loop, callers answered: if their next command usually follows
@@ -1337,30 +1337,14 @@ class QueueServer:
         self._answered_at = now
         until = self._next_command.poll_until(now, self.poll_s)
         if until is not None:
-            self._poll(until)
+            self._polling.extend(until)
 
     def _command_arrived(self, answered_at: float) -> None:
         """A caller's command after answers: how long it took teaches the next poll, and
         this one is over (the turn's end polls again if an ACK is due then)."""
         self._answered_at = None
-        self._poll_until = 0.0
+        self._polling.stop()
         self._next_command.heard(time.monotonic() - answered_at, self.poll_s)
-
-    def _poll(self, until: float) -> None:
-        self._poll_until = max(self._poll_until, until)
-        if not self._polling:
-            self._polling = True
-            self._loop().call_soon(self._poll_once)
-
-    def _poll_once(self) -> None:
-        # A callback always ready: the loop's next iteration polls with no timeout. The
-        # yield lets a process that waits for this CPU (a worker: SCHED_BATCH does not
-        # preempt) run first.
-        if time.monotonic() < self._poll_until:
-            os.sched_yield()
-            self._loop().call_soon(self._poll_once)
-        else:
-            self._polling = False
 
     def _settle(
         self,

@@ -905,10 +905,10 @@ async def test_on_sqlite_the_loop_polls_for_a_due_ack_until_it_arrives(
         prefix = server.pool.prefix if server.pool is not None else ""
         added = await caller.add(f"{prefix}:quick", _sql("quick", 0.2))
         # The turn that handed it off polls from its end, before its answer was written.
-        assert server._polling and server._poll_until > time.monotonic() + 30
+        assert server._polling.on and server._polling.until > time.monotonic() + 30
         result = await caller.result_blocking(f"{prefix}:quick", 30_000)
         assert result is not None and added.added
-        await wait_until(lambda: not server._polling, within=10)
+        await wait_until(lambda: not server._polling.on, within=10)
 
 
 async def test_on_sqlite_a_poll_for_an_ack_ends_when_it_is_overdue(
@@ -920,8 +920,8 @@ async def test_on_sqlite_a_poll_for_an_ack_ends_when_it_is_overdue(
         monkeypatch.setattr(server.linger, "ack_due", _DueFor(0.2))
         prefix = server.pool.prefix if server.pool is not None else ""
         await caller.add(f"{prefix}:long", _sql("long", 30))
-        assert server._polling
-        await wait_until(lambda: not server._polling, within=10)
+        assert server._polling.on
+        await wait_until(lambda: not server._polling.on, within=10)
         assert server.pool is not None and server.pool.running()  # still running
         assert not [t for t in read_trace(workdir) if t[:2] == ["end", "long"]]
 
@@ -951,9 +951,9 @@ async def test_on_sqlite_the_loop_never_polls_when_told_not_to_or_nothing_is_due
             monkeypatch.setattr(server._next_command, "poll_until", _NextIn(60.0))
         prefix = server.pool.prefix if server.pool is not None else ""
         await caller.add(f"{prefix}:one", _sql("one", 0.1))
-        assert not server._polling
+        assert not server._polling.on
         assert await caller.result_blocking(f"{prefix}:one", 30_000) is not None
-        assert not server._polling
+        assert not server._polling.on
 
 
 @contextlib.asynccontextmanager
@@ -980,11 +980,11 @@ async def test_on_sqlite_the_loop_polls_for_a_callers_next_command_until_it_arri
         monkeypatch.setattr(server._next_command, "poll_until", _NextIn(60.0))
         await caller.add("p:one", _sql("one", 0))
         # Polling from the write pass that answered, before the caller had the answer.
-        assert server._polling and server._poll_until > time.monotonic() + 30
+        assert server._polling.on and server._polling.until > time.monotonic() + 30
         heard = record_calls(monkeypatch, server._next_command, "heard")
         monkeypatch.setattr(server, "_poll_for_commands", lambda: None)  # not again
         await caller.add("p:two", _sql("two", 0))
-        await wait_until(lambda: not server._polling, within=10)
+        await wait_until(lambda: not server._polling.on, within=10)
         assert len(heard) == 1 and 0 <= heard[0][0] < 10
 
 
@@ -1007,7 +1007,7 @@ async def test_the_loop_never_polls_for_a_next_command_when_off_not_soon_or_off_
             server.poll_s = 0.0
         for key in ("one", "two", "three"):
             await caller.add(f"p:{key}", _sql(key, 0))
-            assert not server._polling
+            assert not server._polling.on
 
 
 def test_a_negative_poll_is_refused(workdir: Path) -> None:

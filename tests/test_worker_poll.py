@@ -17,8 +17,10 @@ import pytest
 
 from queryqueue import SqliteQueueStore
 from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.supervisor import loops
 from queryqueue.supervisor import pool as pool_module
 from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.supervisor.linger import Gap
 from queryqueue.supervisor.server import QueueServer
 from tests.waiting import wait_until
 
@@ -29,24 +31,27 @@ PREFIX = "pool"  # the app's queue
 @asynccontextmanager
 async def _worker(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, poll_s: float
-) -> AsyncIterator[tuple[SocketQueueDriver, Any, list[bool]]]:
+) -> AsyncIterator[tuple[SocketQueueDriver, Any, list[float]]]:
     """A server (no pool: the test hands off, as a pool would) and a worker loop run here,
     on the test's loop, given its jobs through a pipe. Each pass of its poll is recorded:
-    whether it was still on."""
+    until when it was to poll."""
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     store = SqliteQueueStore(workdir / "q.db")
-    server = QueueServer(store, workdir / "s.sock")
+    server = QueueServer(store, workdir / "s.sock", poll_s=0.0)  # its polls: not recorded
     await server.start()
     caller = SocketQueueDriver(server.socket_path)
     parent, child = multiprocess.Pipe()
-    passes: list[bool] = []
-    real = pool_module._Polling._pass
+    passes: list[float] = []
+    real = loops.Polling._pass
 
-    def recorded(polling: Any) -> None:
-        passes.append(polling._on)
+    def recorded(polling: loops.Polling) -> None:
+        passes.append(polling.until)
         real(polling)
 
-    monkeypatch.setattr(pool_module._Polling, "_pass", recorded)
+    monkeypatch.setattr(loops.Polling, "_pass", recorded)
+    # Its next always due within a minute: a poll ends when its hand-off arrives, or never
+    # within the test (however slow the machine).
+    monkeypatch.setattr(Gap, "poll_until", lambda gap, since, at_most: since + 60.0)
     worker = asyncio.ensure_future(
         pool_module._worker_loop(APP, str(server.socket_path), child, None, os.getppid(), poll_s)
     )
@@ -79,12 +84,11 @@ async def test_a_worker_polls_for_its_next_query_only_after_one_of_an_unsaturate
 ) -> None:
     async with _worker(workdir, monkeypatch, poll_s=60.0) as (caller, conn, passes):
         await _run(caller, conn, "first", pending=0)
-        # Polling now (a minute at most: its next usually comes within the poll), until
-        # a hand-off arrives.
+        # Polling now, until a hand-off arrives.
         await wait_until(lambda: len(passes) > 2, what="the worker polling")
         await _run(caller, conn, "second", pending=3)
         polled = len(passes)
-        assert passes[-1] is False  # the hand-off's arrival ended it, not the minute
+        assert passes[-1] == 0.0  # the hand-off's arrival ended it, not the minute
         # After a query retrieved with others pending, it sleeps: no pass while its next
         # (and that one's whole round trip) is on its way.
         await _run(caller, conn, "third", pending=2)
