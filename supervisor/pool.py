@@ -161,6 +161,9 @@ class WorkerPool:
         self.shm_threshold = shm_threshold
         self.max_memory_per_worker = max_memory_per_worker
         self.terminated = 0
+        # The last query handed over was retrieved with others pending: the queue is
+        # saturated, and nobody waits long for its next message (no poll for one).
+        self.saturated = False
         self.recycled = 0
         self.handed_off = 0
         self._context = context or multiprocess.get_context("spawn")
@@ -438,6 +441,7 @@ class WorkerPool:
         if self._job(retrieved.queue_id) is not None:
             raise RuntimeError(f"queue item {retrieved.queue_id} is handed off already")
         path = f"{prefix}:{retrieved.query_key_hash}"
+        self.saturated = retrieved.queue_size > 0
         query = retrieved.query if isinstance(retrieved.query, dict) else {}
         added = query.get("addedToQueueTime")
         priority = query.get("priority")

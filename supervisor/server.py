@@ -1319,9 +1319,11 @@ class QueueServer:
         (linger.py), the loop keeps polling its sockets until it arrives or is overdue,
         rather than sleep. On a machine whose idle CPU halts (a VM's vCPU), the wake-up
         that sleeping costs is tens of microseconds, a good part of a short query's round
-        trip; queries that take longer than that are never polled for."""
+        trip; queries that take longer than that are never polled for, and neither are
+        those of a saturated queue (`WorkerPool.saturated`): the loop hardly sleeps then,
+        and its polls' yields gave away the CPU it was short of."""
         pool = self.pool
-        if pool is None or self.poll_s <= 0 or self._stopping:
+        if pool is None or self.poll_s <= 0 or self._stopping or pool.saturated:
             return
         until = self.linger.ack_due(pool.running(), time.monotonic(), self.poll_s)
         if until is not None:
@@ -1330,8 +1332,13 @@ class QueueServer:
     def _poll_for_commands(self) -> None:
         """A store on the loop, callers answered: if their next command usually follows
         within `poll_s` (a caller that sends its queries one after another), the loop polls
-        for it rather than sleep, for `_poll_for_acks`' reason."""
-        if self.poll_s <= 0 or self._stopping or self.store.blocking:
+        for it rather than sleep, for `_poll_for_acks`' reasons and with its exceptions."""
+        if (
+            self.poll_s <= 0
+            or self._stopping
+            or self.store.blocking
+            or (self.pool is not None and self.pool.saturated)
+        ):
             return
         now = time.monotonic()
         self._answered_at = now

@@ -937,6 +937,27 @@ class _NextIn:
         return None if self.seconds is None else since + self.seconds
 
 
+async def test_on_sqlite_the_loop_does_not_poll_while_its_pools_queue_is_saturated(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a query was handed to the pool with others still pending, nobody waits long
+    for its next message: the loop polls neither for ACKs nor for callers' commands (its
+    polls' yields gave the CPU away while it was the bottleneck), however due they are."""
+    async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
+        monkeypatch.setattr(server.linger, "ack_due", _DueFor(60.0))
+        monkeypatch.setattr(server._next_command, "poll_until", _NextIn(60.0))
+        prefix = server.pool.prefix if server.pool is not None else ""
+        for key, seconds in (("short", 0.05), ("long", 30), ("third", 30), ("fourth", 30)):
+            await caller.add(f"{prefix}:{key}", _sql(key, seconds))
+        # "short" ends, and its slot's next ("third") is handed over with "fourth" pending.
+        await _started(workdir, 3)
+        assert server.pool is not None and server.pool.saturated
+        await wait_until(lambda: not server._polling.on, within=10)
+        assert server._polling.until == 0.0  # no turn or answer since polled again
+        await caller.add(f"{prefix}:fifth", _sql("fifth", 30))  # answered: still no poll
+        assert server._polling.until == 0.0 and server.pool.saturated
+
+
 @pytest.mark.parametrize("poll_s", [0.0, None])
 async def test_on_sqlite_the_loop_never_polls_when_told_not_to_or_nothing_is_due(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, poll_s: float | None

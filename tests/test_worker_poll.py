@@ -15,12 +15,13 @@ import multiprocess
 import orjson
 import pytest
 
-from queryqueue import SqliteQueueStore
+from queryqueue import MemoryQueueStore, SqliteQueueStore
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.supervisor import loops
 from queryqueue.supervisor import pool as pool_module
 from queryqueue.supervisor.client import SocketQueueDriver
 from queryqueue.supervisor.linger import Gap
+from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
 from tests.waiting import wait_until
 
@@ -110,3 +111,13 @@ def test_a_hand_off_says_whether_the_worker_may_poll_after_it() -> None:
 
     assert blob(0)[:1] == pool_module._JOB_THEN_POLL
     assert blob(1)[:1] == blob(500)[:1] == pool_module._JOB
+
+
+def test_the_pool_knows_its_queue_saturated_by_what_it_is_handed(workdir: Path) -> None:
+    pool = WorkerPool(APP, workdir / "s.sock", MemoryQueueStore())
+    seen = [pool.saturated]
+    pool.submit(PREFIX, RetrievedQuery("a", 1, 1, 3, {}))  # 3 others left pending
+    seen.append(pool.saturated)
+    pool.submit(PREFIX, RetrievedQuery("b", 2, 2, 0, {}))
+    seen.append(pool.saturated)
+    assert seen == [False, True, False]
