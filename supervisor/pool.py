@@ -441,7 +441,7 @@ class WorkerPool:
         if self._job(retrieved.queue_id) is not None:
             raise RuntimeError(f"queue item {retrieved.queue_id} is handed off already")
         path = f"{prefix}:{retrieved.query_key_hash}"
-        self.saturated = retrieved.queue_size > 0
+        self.saturated = _saturates(retrieved)
         query = retrieved.query if isinstance(retrieved.query, dict) else {}
         added = query.get("addedToQueueTime")
         priority = query.get("priority")
@@ -893,7 +893,12 @@ def worker_main(
 def job_message(retrieved: RetrievedQuery) -> bytes:
     """What a worker is sent to run `retrieved`: retrieved with nothing else pending (the
     queue is not saturated), it says the worker may poll for its next afterwards."""
-    return (_JOB_THEN_POLL if retrieved.queue_size == 0 else _JOB) + encode_retrieved(retrieved)
+    return (_JOB if _saturates(retrieved) else _JOB_THEN_POLL) + encode_retrieved(retrieved)
+
+
+def _saturates(retrieved: RetrievedQuery) -> bool:
+    """Retrieved with others left pending: its queue is saturated."""
+    return retrieved.queue_size > 0
 
 
 def _report(kind: bytes, queue_id: QueueId) -> bytes:

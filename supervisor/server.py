@@ -1323,7 +1323,7 @@ class QueueServer:
         those of a saturated queue (`WorkerPool.saturated`): the loop hardly sleeps then,
         and its polls' yields gave away the CPU it was short of."""
         pool = self.pool
-        if pool is None or self.poll_s <= 0 or self._stopping or pool.saturated:
+        if pool is None or not self._may_poll():
             return
         until = self.linger.ack_due(pool.running(), time.monotonic(), self.poll_s)
         if until is not None:
@@ -1333,18 +1333,23 @@ class QueueServer:
         """A store on the loop, callers answered: if their next command usually follows
         within `poll_s` (a caller that sends its queries one after another), the loop polls
         for it rather than sleep, for `_poll_for_acks`' reasons and with its exceptions."""
-        if (
-            self.poll_s <= 0
-            or self._stopping
-            or self.store.blocking
-            or (self.pool is not None and self.pool.saturated)
-        ):
+        if not self._may_poll():
             return
         now = time.monotonic()
         self._answered_at = now
         until = self._next_command.poll_until(now, self.poll_s)
         if until is not None:
             self._polling.extend(until)
+
+    def _may_poll(self) -> bool:
+        """Whether the loop polls at all: on, running, its store on the loop (a PostgreSQL
+        store's lane threads would wait for the GIL), and its pool's queue not saturated."""
+        return (
+            self.poll_s > 0
+            and not self._stopping
+            and not self.store.blocking
+            and not (self.pool is not None and self.pool.saturated)
+        )
 
     def _command_arrived(self, answered_at: float) -> None:
         """A caller's command after answers: how long it took teaches the next poll, and
