@@ -153,6 +153,46 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         SqliteQueueStore(db)
 
 
+def test_a_new_database_has_small_pages_and_an_existing_one_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    """A new database is made with the store's page size (its commits write smaller WAL
+    frames); one made earlier with 4 KiB pages opens with them, its items intact."""
+    from queryqueue.driver_sqlite.store import PAGE_SIZE
+
+    big = orjson.dumps({"sql": "x" * 10_000}).decode()  # overflow pages too
+    new = SqliteQueueStore(tmp_path / "new.db")
+    try:
+        new.add("p:a", big)
+        assert new._conn.execute("PRAGMA page_size").fetchone() == (PAGE_SIZE,)
+    finally:
+        new.close()
+    assert PAGE_SIZE != 4096
+    old = tmp_path / "old.db"
+    conn = sqlite3.connect(old)
+    conn.execute("PRAGMA page_size = 4096")
+    conn.execute("CREATE TABLE t (x)")  # the database exists: its page size is fixed
+    conn.close()
+    store = SqliteQueueStore(old)
+    try:
+        store.add("p:b", big)
+    finally:
+        store.close()
+    store = SqliteQueueStore(old)
+    try:
+        assert store._conn.execute("PRAGMA page_size").fetchone() == (4096,)
+        definition = store.get("p:b")
+        assert definition is not None and definition.payload == big
+    finally:
+        store.close()
+    again = SqliteQueueStore(tmp_path / "new.db")
+    try:
+        definition = again.get("p:a")
+        assert definition is not None and definition.payload == big
+    finally:
+        again.close()
+
+
 def test_a_version_1_database_is_migrated_and_its_pending_items_still_orphan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
