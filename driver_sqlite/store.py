@@ -64,8 +64,9 @@ T = TypeVar("T")
 # (about seven a batch: items and its three indexes, results and two of its own), and a
 # frame costs more the larger it is (its checksum, its copy, ext4's pages): in raw SQLite
 # on the benchmark machine a commit of one small insert and one delete took 21 us at
-# 2 KiB against 30 at 4 KiB, and the supervisor under the throughput load ran ~4 % faster.
-# 1 KiB gained no more there, and stores a large result in four times the overflow pages.
+# 2 KiB against 30 at 4 KiB; under the throughput load the supervisor took 1-3 % less CPU
+# a query (`python -m benchmarks.ab`, session 39). 1 KiB gained no more there, and stores
+# a large result in four times the overflow pages.
 # An existing database keeps the page size it was made with (changing it takes a VACUUM).
 PAGE_SIZE = 2048
 
