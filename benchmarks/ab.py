@@ -79,20 +79,15 @@ def one_run(queries: int, options: list[str]) -> dict[str, Any]:
 
     with ours.supervisor_for("--synchronous", "NORMAL", *options) as supervisor:
         process = psutil.Process(supervisor.pid)
-        cpu, sched, switches = (
-            process.cpu_times(),
-            _schedstat(supervisor.pid),
-            process.num_ctx_switches(),
-        )
+        sched, switches = _schedstat(supervisor.pid), process.num_ctx_switches()
         began = time.monotonic()
         run = ours.drive(supervisor, ours._noop_shares(queries, 4, "ab"), in_flight=64)
         elapsed = time.monotonic() - began
-        cpu_after, sched_after = process.cpu_times(), _schedstat(supervisor.pid)
-        switches_after = process.num_ctx_switches()
-    used = cpu_after.user + cpu_after.system - cpu.user - cpu.system
+        sched_after, switches_after = _schedstat(supervisor.pid), process.num_ctx_switches()
+    assert run.cpu_by_role is not None  # drive() reads it: the supervisor's CPU, timed
     return {
         "qps": round(queries / run.wall, 1),
-        "supervisor_us": round(used / queries * 1e6, 1),
+        "supervisor_us": round(run.cpu_by_role["supervisor"] / queries * 1e6, 1),
         "batches": round(run.batches / queries, 3),
         "commands": round(run.commands / queries, 3),
         # Over the whole drive (its request processes starting included): compare, do not
@@ -107,7 +102,8 @@ def one_run(queries: int, options: list[str]) -> dict[str, Any]:
 
 def _run_variant(variant: Variant, queries: int) -> dict[str, Any]:
     # This file by its path, the tree's packages by PYTHONPATH: a tree from before this
-    # tool measures as well (it needs `benchmarks.ours`' supervisor_for and drive).
+    # tool measures as well (it needs `benchmarks.ours`' supervisor_for, and drive with
+    # its CPU by role).
     env = {**os.environ, "PYTHONPATH": str(variant.tree)}
     command = [sys.executable, __file__, "--one", "--queries", str(queries), "--"]
     done = subprocess.run(
