@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -191,6 +192,111 @@ def test_a_new_database_has_small_pages_and_an_existing_one_keeps_its_own(
         assert definition is not None and definition.payload == big
     finally:
         again.close()
+
+
+def _steps(store: SqliteQueueStore, run: Callable[[], object]) -> int:
+    """SQLite virtual machine steps taken by `run` on the store's connection."""
+    steps = 0
+
+    def step() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    store._conn.set_progress_handler(step, 1)
+    try:
+        run()
+    finally:
+        store._conn.set_progress_handler(None, 1)
+    return steps
+
+
+def _results(store: SqliteQueueStore, ids: range, expire: int) -> None:
+    with store._conn:
+        store._conn.executemany(
+            "INSERT INTO results (id, path, value, deleted, expire) VALUES (?, ?, '1', 0, ?)",
+            [(i, f"p:{i}", expire) for i in ids],
+        )
+
+
+def test_the_purge_reads_no_more_results_however_many_are_kept(tmp_path: Path) -> None:
+    """No index on `expire` (each result's INSERT wrote a page of it): the purge walks the
+    results from the lowest id and reads at most PURGE_WINDOW of them, so a table of
+    results none of which has expired costs it the same at 6,000 rows as at 60,000. With
+    expired ones first it stops at its batch, and it passes over up to PURGE_WINDOW not
+    yet expired to reach those behind them."""
+    from queryqueue.driver_sqlite.store import PURGE_WINDOW
+    from queryqueue.engine.clock import ManualClock
+    from queryqueue.engine.listing import PURGE_BATCH
+
+    clock = ManualClock(1_000_000)
+    small, large = (
+        SqliteQueueStore(tmp_path / "s.db", clock=clock),
+        SqliteQueueStore(tmp_path / "l.db", clock=clock),
+    )
+    try:
+        _results(small, range(1, 6_001), expire=2_000_000)
+        _results(large, range(1, 60_001), expire=2_000_000)
+        assert PURGE_WINDOW < 6_000
+        idle_small = _steps(small, small.purge_expired)
+        idle_large = _steps(large, large.purge_expired)
+        assert idle_small == idle_large
+        assert small.purge_expired() == large.purge_expired() == 0
+
+    finally:
+        small.close()
+        large.close()
+    # 100 not yet expired at the lowest ids, then 10,000 expired: each purge deletes a
+    # batch of those, and stops there.
+    mixed = SqliteQueueStore(tmp_path / "m.db", clock=clock)
+    try:
+        _results(mixed, range(1, 101), expire=2_000_000)
+        _results(mixed, range(101, 10_101), expire=500_000)
+        assert [mixed.purge_expired() for _ in range(3)] == [PURGE_BATCH] * 3
+        assert _steps(mixed, mixed.purge_expired) < idle_small // 10
+        (kept,) = mixed._conn.execute("SELECT count(*) FROM results WHERE id <= 100").fetchone()
+        (left,) = mixed._conn.execute("SELECT count(*) FROM results WHERE id > 100").fetchone()
+        assert (kept, left) == (100, 10_000 - 4 * PURGE_BATCH)
+    finally:
+        mixed.close()
+
+
+def test_a_version_3_database_loses_its_expire_index_and_keeps_its_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 4 drops the index on results' `expire`. Results written at version 3 are
+    there after the upgrade, read as before, and purged once expired."""
+    from queryqueue.driver_sqlite import schema
+    from queryqueue.engine.clock import ManualClock
+
+    db = tmp_path / "queue.db"
+    clock = ManualClock(1_000_000)
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:3])
+    monkeypatch.setattr(schema, "LATEST_VERSION", 3)
+    store = SqliteQueueStore(db, clock=clock, result_ttl_ms=1_000)
+    first = store.add("p:first", "{}").id
+    store.ack(first, '{"r": 1}')
+    clock.advance(500)
+    second = store.add("p:second", "{}").id
+    store.ack(second, '{"r": 2}')
+    assert store._conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE name = 'results_expire'"
+    ).fetchone()
+    store.close()
+    monkeypatch.undo()
+    store = SqliteQueueStore(db, clock=clock, result_ttl_ms=1_000)
+    try:
+        assert store._conn.execute("PRAGMA user_version").fetchone() == (schema.LATEST_VERSION,)
+        assert not store._conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE name = 'results_expire'"
+        ).fetchone()
+        got = store.result(first)
+        assert got is not None and got.payload == '{"r": 1}'
+        clock.advance(600)  # `first` expired, `second` not
+        assert store.purge_expired() == 1
+        assert store.result(second) is not None
+    finally:
+        store.close()
 
 
 def test_a_version_1_database_is_migrated_and_its_pending_items_still_orphan(

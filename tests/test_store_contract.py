@@ -510,6 +510,27 @@ def test_expired_results_are_purged_by_later_acks(
     assert store.result(new) is not None
 
 
+def test_expired_results_behind_a_lower_id_not_yet_expired_are_purged(
+    make_store: StoreFactory, clock: ManualClock
+) -> None:
+    """An item that waited longer than those after it (a lower priority) is acked last:
+    its result, the lowest id, expires last. The results after it are purged when they
+    expire all the same, and it is kept until it does."""
+    store = make_store(result_ttl_ms=1_000)
+    start = clock.now_ms()
+    waited = store.add(path("waited"), payload()).id
+    later = [store.add(path(f"later{i}"), payload(), priority=5).id for i in range(3)]
+    for qid in later:
+        store.ack(qid, payload(q=qid))
+    clock.advance(500)
+    store.ack(waited, payload(q=waited))
+    clock.set(start + 1_000)  # `later` expired, `waited` not
+    assert store.purge_expired() == 3
+    clock.set(start)  # look back in time: the expired rows must be gone, not hidden
+    assert [qid for qid in later if store.result(qid) is not None] == []
+    assert store.result(waited) is not None
+
+
 def test_acks_purge_at_most_once_a_second_unless_a_backlog_is_left(
     make_store: StoreFactory, clock: ManualClock
 ) -> None:
