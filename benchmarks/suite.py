@@ -6,7 +6,8 @@
 
 Workloads (a fresh store for each repetition, a warm-up first, median and min-max):
 1. throughput: no-op queries from 4 request processes, 2 workers, SQLite NORMAL and FULL;
-2. idle_latency: one caller, sequential, enqueue to result, priority 10 (fast track) and 0;
+2. idle_latency: one caller, sequential, enqueue to result, priority 10 (fast track) and 0
+   alternating query by query in the same runs;
 3. dedup_storm: identical concurrent requests from 8 processes against a 200 ms query;
 4. priority_burst: a backlog of priority-0 work, then priority-10 arrivals: their wait;
 5. large_results: 1, 10, 100 MiB results to the caller, against a raw shared-memory copy;

@@ -65,3 +65,16 @@ def test_a_skip_or_a_failure_in_any_round_is_kept_as_it_came() -> None:
 def test_one_round_is_left_as_it_is() -> None:
     rows = [_row("ours", 1000, 0.5), _row("peer", 900, 0.9)]
     assert _merged([rows]) == rows
+
+
+def test_the_idle_rows_are_the_two_paths_of_the_same_runs() -> None:
+    """idle_latency runs the fast track and the queued path alternating, query by query,
+    in one run: each row reads its own path's queries (every other record), so a slower
+    supervisor slows both rows alike."""
+    from benchmarks.ours import IDLE_PATHS, Run, _latencies_of_path
+
+    assert [priority for priority, _ in IDLE_PATHS] == [10, 0]
+    records = [(float(i), float(i) + (0.5 if i % 2 == 0 else 0.75), True) for i in range(6)]
+    run = Run([records], cpu_s=0.0, peak_rss=0, stats_before={}, stats_after={})
+    assert _latencies_of_path(0, run) == [0.5, 0.5, 0.5]
+    assert _latencies_of_path(1, run) == [0.75, 0.75, 0.75]
