@@ -490,7 +490,8 @@ def idle_latency(n: int, reps: int, setup: Setup | None = None) -> list[dict[str
 
 
 def _latencies_of_path(index: int, run: Run) -> list[float]:
-    """The latencies of the queries of IDLE_PATHS[index] in a run of them alternating."""
+    """The latencies of the queries of IDLE_PATHS[index] in a run of them alternating (one
+    in flight: a run's records come in its jobs' order)."""
     return [end - start for start, end, _ in run.records[index :: len(IDLE_PATHS)]]
 
 

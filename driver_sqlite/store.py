@@ -361,7 +361,8 @@ class SqliteTransaction:
         # so ids come about in the order results expire, but for an item that waited longer
         # than those after it (a lower priority). Such a result, not yet expired, is passed
         # over, up to PURGE_WINDOW of them; past that the purge waits for them to expire
-        # (within the TTL), and reads never see an expired result meanwhile.
+        # (within the TTL they were stored with), and reads never see an expired result
+        # meanwhile.
         self._write()
         cursor = self._c.execute(
             "DELETE FROM results WHERE id IN (SELECT id FROM"
