@@ -506,6 +506,9 @@ async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
 
         await caller.add(f"{prefix}:busy", _sql("busy", 1))
         await _started(workdir, 3)  # first, second, busy: the pool has no idle worker
+        # No batch still lingering as told before (for `busy`, a minute): the next ADD
+        # would join it, and go when `busy`'s ACK or a command about it ends that wait.
+        await wait_until(lambda: _idle(server, prefix))
         told.awaited, told.until = {10**9}, 0.3  # an ACK that never comes
         began = time.monotonic()
         third = await caller.add(f"{prefix}:third", _sql("third", 0))
@@ -514,6 +517,17 @@ async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
         for key in ("second", "third"):  # both ran, answered once each
             result = await caller.result_blocking(f"{prefix}:{key}", 30_000)
             assert result is not None and f'"key":"{key}"' in str(result.payload)
+
+
+def _idle(server: QueueServer, prefix: str) -> bool:
+    """No batch of `prefix` lingers, runs or waits: on a lane, or in the loop's turn."""
+    return (
+        prefix not in server._lane_queued
+        and not server._lingering
+        and server._awaited_acks is None
+        and server._turn is None
+        and not server._inbox
+    )
 
 
 async def _lingering_for_long(
