@@ -519,7 +519,7 @@ async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
             assert result is not None and f'"key":"{key}"' in str(result.payload)
 
 
-def _idle(server: QueueServer, prefix: str) -> bool:
+def _idle(server: QueueServer, prefix: str | None) -> bool:
     """No batch of `prefix` lingers, runs or waits: on a lane, or in the loop's turn."""
     return (
         prefix not in server._lane_queued
