@@ -520,10 +520,10 @@ async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
 
 
 def _idle(server: QueueServer, prefix: str | None) -> bool:
-    """No batch of `prefix` lingers, runs or waits: on a lane, or in the loop's turn."""
+    """No batch of `prefix` lingers, runs or waits: on a lane (a lane lingers only while
+    its route is in `_lane_queued`), or in the loop's turn."""
     return (
         prefix not in server._lane_queued
-        and not server._lingering
         and server._awaited_acks is None
         and server._turn is None
         and not server._inbox

@@ -242,7 +242,6 @@ def test_the_purge_reads_no_more_results_however_many_are_kept(tmp_path: Path) -
         idle_large = _steps(large, large.purge_expired)
         assert idle_small == idle_large
         assert small.purge_expired() == large.purge_expired() == 0
-
     finally:
         small.close()
         large.close()
