@@ -1,30 +1,27 @@
-"""Binary results: bytes, Arrow tables and pickled objects, never turned into JSON.
+"""Binary results: bytes, Arrow tables, DataFrames and numpy arrays, never turned into JSON.
 
 A handler that returns `bytes`/`bytearray`/`memoryview`, a `pyarrow.Table` or
-`RecordBatch`, or `Pickled(obj)` makes a `BinaryResult`: its size is known before a byte
-is written, so a worker on the supervisor writes it once, straight into a shared-memory
-segment, and the caller reads it without JSON (`read_binary`). Where there is no shared
-memory (an in-process store, a store other hosts read, a small result) it is stored as
-`{"$binary": form, "data": base64}`.
+`RecordBatch`, a pandas `DataFrame` or a numpy array makes a `BinaryResult`: its size is
+known before a byte is written, so a worker on the supervisor writes it once, straight into
+a shared-memory segment, and the caller reads it without JSON (`read_binary`). Where there
+is no shared memory (an in-process store, a store other hosts read, a small result) it is
+stored as `{"$binary": form, "data": base64}`.
 
-    form     written as                                   read back as
-    bytes    the bytes                                    bytes (a view: a read-only memoryview)
-    arrow    an Arrow IPC stream                          a pyarrow.Table (a view: over the segment)
-    pickle   pickle protocol 5, out-of-band buffers after  the object; buffers over the segment
-             it (64-byte aligned)                           in a view
+    form     written as                   read back as
+    bytes    the bytes                    bytes (a view: a read-only memoryview)
+    arrow    an Arrow IPC stream          a pyarrow.Table (a view: over the segment)
+    pandas   an Arrow IPC stream          a pandas DataFrame (`Table.to_pandas()`)
+    npy      numpy's .npy format          a numpy array (a view: read-only, over the segment)
 
-A pickled result is unpickled only into classes of the modules its queue allows
-(`Codecs.pickle_modules`: numpy, pandas, pyarrow and the standard library's value types by
-default), so a result is never a way to run code in its reader.
+Every form is data: reading a result never runs code its writer chose. There is no pickle
+form; an `.npy` of Python objects is refused; an Arrow stream is validated before use (and
+pyarrow from 14.0.1 on never unpickles an extension type it reads).
 """
 
 from __future__ import annotations
 
 import base64
-import io
-import pickle
-import struct
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,29 +29,11 @@ import orjson
 
 from queryqueue.engine.errors import QueryError
 
-FORMS = ("bytes", "arrow", "pickle")
+FORMS = ("bytes", "arrow", "pandas", "npy")
 # JSON outcomes of at least this many bytes stay bytes on their way to a driver: one with
 # shared memory writes them there without ever making text of them.
 LARGE_JSON = 256 * 1024
 INLINE_MARK = '{"$binary"'
-_ALIGN = 64
-_COUNT = struct.Struct("<I")
-_LENGTH = struct.Struct("<Q")
-DEFAULT_PICKLE_MODULES = frozenset(
-    {"numpy", "pandas", "pyarrow", "datetime", "decimal", "uuid", "collections", "zoneinfo"}
-)
-_SAFE_BUILTINS = frozenset(
-    {"set", "frozenset", "bytearray", "bytes", "complex", "slice", "range", "list", "dict"}
-    | {"tuple", "int", "float", "str", "bool", "object"}
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Pickled:
-    """Return `Pickled(obj)` from a handler to send `obj` pickled (protocol 5): a DataFrame,
-    numpy arrays, your own classes (allow their module on the caller's side)."""
-
-    value: Any
 
 
 @dataclass(eq=False)
@@ -119,13 +98,22 @@ def binary_of(value: Any) -> BinaryResult | None:
     """The binary result a handler's return value is, or None for a JSON one."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return _bytes_result(value)
-    if isinstance(value, Pickled):
-        return _pickle_result(value.value)
-    if type(value).__module__.startswith("pyarrow"):
+    module = type(value).__module__
+    if module.startswith("pyarrow"):
         import pyarrow as pa
 
         if isinstance(value, pa.Table | pa.RecordBatch):
-            return _arrow_result(value)
+            return _arrow_result(value, "arrow")
+    elif module.startswith("pandas"):
+        import pandas as pd
+
+        if isinstance(value, pd.DataFrame):
+            return _arrow_result(_arrow_of_frame(value), "pandas")
+    elif module == "numpy":
+        from queryqueue.engine import npy
+
+        if npy.is_array(value) and not value.dtype.hasobject:
+            return _npy_result(*npy.plan(value))
     return None
 
 
@@ -138,7 +126,19 @@ def _bytes_result(value: bytes | bytearray | memoryview) -> BinaryResult:
     return BinaryResult("bytes", data.nbytes, write)
 
 
-def _arrow_result(value: Any) -> BinaryResult:
+def _arrow_of_frame(frame: Any) -> Any:
+    import pyarrow as pa
+
+    try:
+        return pa.Table.from_pandas(frame)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise QueryError(
+            f"query result is a DataFrame Arrow cannot hold ({exc}): give its columns "
+            "plain types (numbers, strings, dates, decimals)"
+        ) from None
+
+
+def _arrow_result(value: Any, form: str) -> BinaryResult:
     import pyarrow as pa
 
     sink = pa.MockOutputStream()  # the stream's size, without writing it
@@ -150,91 +150,51 @@ def _arrow_result(value: Any) -> BinaryResult:
         with pa.ipc.new_stream(out, value.schema) as writer:
             writer.write(value)
 
-    return BinaryResult("arrow", sink.size(), write)
+    return BinaryResult(form, sink.size(), write)
 
 
-def _pickle_result(value: Any) -> BinaryResult:
-    buffers: list[pickle.PickleBuffer] = []
-    try:
-        data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    except Exception as exc:
-        raise QueryError(f"query result could not be pickled: {exc!r}") from None
-    raws = [b.raw() for b in buffers]
-    header = _COUNT.size + _LENGTH.size * (1 + len(raws))
-    offsets, offset = [], _aligned(header + len(data))
-    for raw in raws:
-        offsets.append(offset)
-        offset = _aligned(offset + raw.nbytes)
-    size = offsets[-1] + raws[-1].nbytes if raws else header + len(data)
-
+def _npy_result(header: bytes, data: memoryview) -> BinaryResult:
     def write(target: memoryview) -> None:
-        _COUNT.pack_into(target, 0, len(raws))
-        for i, length in enumerate([len(data), *(r.nbytes for r in raws)]):
-            _LENGTH.pack_into(target, _COUNT.size + i * _LENGTH.size, length)
-        target[header : header + len(data)] = data
-        for start, raw in zip(offsets, raws, strict=True):
-            target[start : start + raw.nbytes] = raw
+        target[: len(header)] = header
+        target[len(header) : len(header) + data.nbytes] = data
 
-    return BinaryResult("pickle", size, write)
+    return BinaryResult("npy", len(header) + data.nbytes, write)
 
 
-def _aligned(offset: int) -> int:
-    return -(-offset // _ALIGN) * _ALIGN
-
-
-def read_binary(
-    form: str, data: memoryview, *, view: bool = False, pickle_modules: Collection[str] = ()
-) -> Any:
+def read_binary(form: str, data: memoryview, *, view: bool = False) -> Any:
     """The value of a binary result. `view`: over `data` itself (read-only), else a copy."""
     if form == "bytes":
         return data.toreadonly() if view else bytes(data)
-    if form == "arrow":
-        try:
-            import pyarrow as pa
-        except ImportError:
-            raise QueryError(
-                "this result is an Arrow table: install pyarrow (queryqueue[arrow]) to read it"
-            ) from None
-        source = pa.py_buffer(data.toreadonly() if view else bytes(data))
-        with pa.ipc.open_stream(source) as reader:
-            return reader.read_all()
-    if form == "pickle":
-        return _unpickle(data.toreadonly() if view else memoryview(bytearray(data)), pickle_modules)
-    raise QueryError(f"unknown binary result form {form!r}")
+    if form in ("arrow", "pandas"):
+        table = read_arrow(data, view=view)
+        return table.to_pandas() if form == "pandas" else table
+    if form == "npy":
+        from queryqueue.engine import npy
+
+        return npy.read(data.toreadonly() if view else data, copy=not view)
+    raise QueryError(
+        f"a binary result of form {form!r} is refused: results are data "
+        f"({', '.join(FORMS)}), never a form whose reading could run its writer's code"
+    )
 
 
-def _unpickle(data: memoryview, modules: Collection[str]) -> Any:
-    (count,) = _COUNT.unpack_from(data, 0)
-    lengths = [
-        _LENGTH.unpack_from(data, _COUNT.size + i * _LENGTH.size)[0] for i in range(count + 1)
-    ]
-    start = _COUNT.size + _LENGTH.size * (count + 1)
-    pickled = data[start : start + lengths[0]]
-    buffers, offset = [], _aligned(start + lengths[0])
-    for length in lengths[1:]:
-        buffers.append(data[offset : offset + length])
-        offset = _aligned(offset + length)
-    return _Unpickler(io.BytesIO(pickled), buffers, frozenset(modules)).load()
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, buffers: list[memoryview], modules: frozenset[str]):
-        super().__init__(file, buffers=buffers)
-        self.modules = modules
-
-    def find_class(self, module: str, name: str) -> Any:
-        root = module.partition(".")[0]
-        if (module == "builtins" and name in _SAFE_BUILTINS) or (
-            module == "copyreg" and name == "_reconstructor"
-        ):
-            return super().find_class(module, name)
-        if root in self.modules and root != "builtins":
-            return super().find_class(module, name)
+def read_arrow(data: memoryview, *, view: bool = False) -> Any:
+    """The Arrow table an IPC stream holds, checked whole before anyone reads a value: a
+    crafted stream (offsets past its buffers) is an error, not a read out of bounds."""
+    try:
+        import pyarrow as pa
+    except ImportError:
         raise QueryError(
-            f"the pickled result holds {module}.{name}, and {root!r} is not among the modules "
-            f"this queue unpickles ({', '.join(sorted(self.modules))}): allow it with "
-            "QueueApp(pickle_modules=...)"
-        )
+            "this result is an Arrow table: install pyarrow (queryqueue[arrow]) to read it"
+        ) from None
+    source = pa.py_buffer(data.toreadonly() if view else bytes(data))
+    try:
+        with pa.ipc.open_stream(source) as reader:
+            table = reader.read_all()
+        table.validate(full=True)
+    except (pa.ArrowException, OSError, ValueError, TypeError) as exc:
+        raise QueryError(f"an Arrow result is malformed: {exc}") from None
+    return table
 
 
 def parse_inline(decoded: dict[str, Any]) -> tuple[str, bytes]:
@@ -242,13 +202,16 @@ def parse_inline(decoded: dict[str, Any]) -> tuple[str, bytes]:
     form, data = decoded.get("$binary"), decoded.get("data")
     if not isinstance(form, str) or not isinstance(data, str):
         raise QueryError("a binary result's outcome is malformed")
-    return form, base64.b64decode(data)
+    try:
+        return form, base64.b64decode(data, validate=True)
+    except ValueError:
+        raise QueryError("a binary result's outcome is malformed: its data is not base64") from None
 
 
-def decode_inline(decoded: dict[str, Any], pickle_modules: Collection[str]) -> Any:
+def decode_inline(decoded: dict[str, Any]) -> Any:
     """The value of a `{"$binary": form, "data": base64}` outcome."""
     form, data = parse_inline(decoded)
-    return read_binary(form, memoryview(data), pickle_modules=pickle_modules)
+    return read_binary(form, memoryview(data))
 
 
 def _b64(data: bytes) -> str:

@@ -38,21 +38,16 @@ import base64
 import dataclasses
 import datetime as dt
 import enum
+import re
 import sys
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
 import orjson
 
-from queryqueue.engine.binary import (
-    DEFAULT_PICKLE_MODULES,
-    LARGE_JSON,
-    BinaryResult,
-    binary_of,
-    from_bytes,
-)
+from queryqueue.engine.binary import LARGE_JSON, BinaryResult, binary_of, from_bytes
 from queryqueue.engine.errors import QueryError
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
@@ -77,9 +72,7 @@ class Codecs:
     """The codecs of one queue (an app registers its own types on its QueueApp, so every
     process that imports the app encodes and decodes alike)."""
 
-    def __init__(self, pickle_modules: Collection[str] = DEFAULT_PICKLE_MODULES) -> None:
-        # The modules (top-level names) a pickled result may hold classes of.
-        self.pickle_modules = frozenset(pickle_modules)
+    def __init__(self) -> None:
         self._by_type: dict[type, Codec] = {}
         self._by_name: dict[str, Codec] = {}
         for codec in _BUILT_IN:
@@ -112,7 +105,7 @@ class Codecs:
     # Encoding ------------------------------------------------------------------------------
 
     def encode_outcome(self, value: Any) -> str | BinaryResult:
-        """What a successful query's ACK carries: a binary result (bytes, Arrow, Pickled)
+        """What a successful query's ACK carries: a binary result (bytes, Arrow, a DataFrame, an array)
         as it is, a large JSON one as its bytes (a driver with shared memory writes them
         there as they are: no text made of them), anything else as its outcome text."""
         binary = binary_of(value)
@@ -249,13 +242,24 @@ class Codecs:
     # Decoding ------------------------------------------------------------------------------
 
     def decode(self, result: Any, node: Any) -> Any:
-        """A decoded outcome's `result`, its `$types` undone."""
-        return result if node is None else self._apply(node, result)
+        """A decoded outcome's `result`, its `$types` undone. A tag builds only a type of
+        the mapping or a registered codec's, and a tree that does not fit its result is a
+        `QueryError` naming the problem, whoever wrote it."""
+        if node is None:
+            return result
+        try:
+            return self._apply(node, result)
+        except QueryError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+            raise QueryError(f"the result's $types do not fit its values: {exc!r}") from None
+        except RecursionError:
+            raise QueryError("the result's $types nest deeper than this reader follows") from None
 
     def _apply(self, node: Any, value: Any) -> Any:
         if value is None:
             return None
-        if isinstance(node, str):
+        if not isinstance(node, dict):
             return self._undo(node, value)
         inner = node.get("v")
         if inner is not None:
@@ -275,19 +279,26 @@ class Codecs:
         tag = node.get("t")
         return value if tag is None else self._undo(tag, value)
 
-    def _undo(self, tag: str, value: Any) -> Any:
+    def _undo(self, tag: Any, value: Any) -> Any:
+        if not isinstance(tag, str):
+            raise QueryError(f"the result's $types hold {tag!r} where a tag belongs")
         name, _, arg = tag.partition(":")
         if name == "ndarray":
             return _ndarray_back(arg, value)
         if name == "np":
-            return _numpy().dtype(arg).type(value)
+            return _numpy().dtype(_dtype_text(arg)).type(value)
         codec = self._by_name.get(name)
         if codec is None:
             raise QueryError(
                 f"the result holds a value tagged {tag!r}, and no codec of that name is "
                 "registered in this process (register it on the QueueApp every process imports)"
             )
-        return codec.decode(value)
+        try:
+            return codec.decode(value)
+        except Exception as exc:
+            raise QueryError(
+                f"the result's value tagged {name!r} did not decode: {exc!r}"
+            ) from None
 
 
 def _is_plain(value: Any) -> bool:
@@ -388,10 +399,41 @@ def _numpy() -> Any:
     return numpy
 
 
+# The dtypes a tag may name: numbers, booleans, dates and times, fixed-width text and bytes,
+# and objects (of the JSON values given); never a structured or a sub-array dtype.
+_DTYPE = re.compile(
+    r"[<>=|]?(?:b1|[iu][1248]|f(?:2|4|8|12|16)|c(?:8|16|24|32)|[mM]8(?:\[\d*[a-zA-Z]+\])?|[US]\d+|O)"
+)
+# A text dtype may be wider than its longest value, up to this many characters: the array's
+# memory is then bounded by what the result holds, whatever its tag says.
+_SLACK_WIDTH = 64
+
+
+def _dtype_text(text: str) -> str:
+    if not _DTYPE.fullmatch(text):
+        raise QueryError(f"the result's $types name dtype {text!r}, which no tag may")
+    return text
+
+
 def _ndarray_back(arg: str, value: Any) -> Any:
-    dtype, _, shape = arg.partition(":")
+    text, _, shape = arg.partition(":")
+    dtype = _numpy().dtype(_dtype_text(text))
     dims = tuple(int(d) for d in shape.split(",") if d)
+    if dtype.kind in "US":
+        longest = max((len(item) for item in _leaves(value)), default=0)
+        width = dtype.itemsize // (4 if dtype.kind == "U" else 1)
+        if width > max(longest, _SLACK_WIDTH):
+            raise QueryError(
+                f"the result's $types make {width}-character text of values of at most {longest}"
+            )
+    # reshape refuses a shape the values do not fill: nothing is allocated for it
     return _numpy().array(value, dtype=dtype).reshape(dims)
+
+
+def _leaves(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        return [value] if isinstance(value, (str, bytes)) else []
+    return [leaf for item in value for leaf in _leaves(item)]
 
 
 def _b64(value: bytes | bytearray | memoryview) -> str:

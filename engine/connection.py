@@ -8,13 +8,12 @@ paths, encodes the query definition as JSON and decodes `payload` + `extra` back
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from queryqueue.engine.binary import DEFAULT_PICKLE_MODULES, Outcome
+from queryqueue.engine.binary import Outcome
 from queryqueue.engine.driver import QueueDriver
 from queryqueue.engine.responses import (
     ListResponse,
@@ -111,11 +110,9 @@ class QueueConnection:
         continue_wait_timeout: float,
         orphaned_timeout: float,
         heartbeat_timeout: float,
-        pickle_modules: Collection[str] = DEFAULT_PICKLE_MODULES,
     ) -> None:
         self.driver = driver
         self.prefix = prefix
-        self.pickle_modules = pickle_modules
         self.process_uid = process_uid
         self.concurrency = concurrency
         self.continue_wait_timeout_ms = round(continue_wait_timeout * 1000)
@@ -161,9 +158,7 @@ class QueueConnection:
         if found is None or found.payload is None:
             return None
         if found.shared is not None:
-            outcome: dict[str, Any] = await found.shared.read(
-                view=view, pickle_modules=self.pickle_modules
-            )
+            outcome: dict[str, Any] = await found.shared.read(view=view)
             return outcome
         return orjson.loads(found.payload)
 

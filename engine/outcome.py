@@ -79,7 +79,7 @@ def parse_result(result: Any, codecs: Codecs) -> Any:
         if "result" in result:
             return codecs.decode(result["result"], result.get("$types"))
         if "$binary" in result:
-            return decode_inline(result, codecs.pickle_modules)
+            return decode_inline(result)
     return None
 
 

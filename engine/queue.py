@@ -122,7 +122,6 @@ class QueryQueue:
             continue_wait_timeout=self.continue_wait_timeout,
             orphaned_timeout=self.orphaned_timeout,
             heartbeat_timeout=self.heartbeat_interval * 4,
-            pickle_modules=self.codecs.pickle_modules,
         )
 
     # -- request side --------------------------------------------------------------------

@@ -115,6 +115,6 @@ class ResultResponse:
     id: QueueId
     external_id: str | None
     # Our extension: a binary result still in shared memory, which its reader copies or
-    # views (`await read(view=..., pickle_modules=...)`: the decoded outcome, a view's
+    # views (`await read(view=...)`: the decoded outcome, a view's
     # lease in "$lease"); `payload` is then its reference. Set by the socket client only.
     shared: Any = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from queryqueue.driver_sqlite import SqliteQueueStore
-from queryqueue.engine.binary import Pickled, ResultView
+from queryqueue.engine.binary import ResultView
 from queryqueue.engine.codec import Codecs
 from queryqueue.engine.driver import LocalQueueDriver, QueueDriver
 from queryqueue.engine.errors import (
@@ -70,7 +70,6 @@ __all__ = [
     "InvalidCommandError",
     "LocalQueueDriver",
     "MemoryQueueStore",
-    "Pickled",
     "PostgresQueueStore",
     "QueryCancelledError",
     "QueryError",

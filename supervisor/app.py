@@ -18,11 +18,10 @@ import importlib
 import os
 import sys
 import weakref
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from queryqueue.engine.binary import DEFAULT_PICKLE_MODULES
 from queryqueue.engine.codec import Codecs
 from queryqueue.engine.driver import QueueDriver
 from queryqueue.engine.handlers import (
@@ -40,19 +39,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class QueueApp:
-    def __init__(
-        self,
-        prefix: str,
-        *,
-        pickle_modules: Collection[str] = DEFAULT_PICKLE_MODULES,
-        **queue_options: Any,
-    ) -> None:
-        """`pickle_modules`: the top-level modules whose classes a `Pickled` result may
-        hold when this app's callers read it; `queue_options`: QueryQueue's."""
+    def __init__(self, prefix: str, **queue_options: Any) -> None:
+        """`queue_options`: QueryQueue's."""
         self.prefix = prefix
         self.queue_options = queue_options
         # Results' types, both ways: workers encode and callers decode with the same ones.
-        self.codecs = Codecs(pickle_modules)
+        self.codecs = Codecs()
         self.query_handlers: dict[str, QueryHandler] = {}
         self.cancel_handlers: dict[str, CancelHandler] = {}
         self.stream_handler: StreamHandler | None = None

@@ -17,9 +17,11 @@ import dataclasses
 import itertools
 import logging
 import os
+import socket
+import struct
 import threading
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,7 @@ from queryqueue.supervisor.protocol import (
     encode_frame,
     raise_error,
 )
-from queryqueue.supervisor.shm import (
+from queryqueue.supervisor.shm_segment import (
     DEFAULT_THRESHOLD,
     Reference,
     SegmentMaps,
@@ -205,6 +207,16 @@ class _Link:
         self.reader.close()  # `ending` fails what is pending, as an end of stream does
 
 
+def _peer_uid(sock: Any) -> int:
+    """The uid of the process at the other end of a Unix socket (ours where the platform
+    cannot say)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if sock is None or option is None:
+        return os.geteuid()
+    credentials = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    return int(struct.unpack("3i", credentials)[1])
+
+
 class SocketQueueDriver:
     def __init__(
         self,
@@ -331,7 +343,11 @@ class SocketQueueDriver:
         loop = asyncio.get_running_loop()
         address = self.tcp_address
         if address is None:
-            await loop.create_unix_connection(lambda: link.reader, str(self.socket_path))
+            transport, _ = await loop.create_unix_connection(
+                lambda: link.reader, str(self.socket_path)
+            )
+            # Segments are the supervisor's: whose it is, the kernel says of the socket.
+            self._segments.owner = _peer_uid(transport.get_extra_info("socket"))
         else:
             await loop.create_connection(lambda: link.reader, *address)
 
@@ -781,7 +797,7 @@ class _SharedRead:
     driver: SocketQueueDriver
     ref: Reference
 
-    async def read(self, *, view: bool, pickle_modules: Collection[str]) -> dict[str, Any]:
+    async def read(self, *, view: bool) -> dict[str, Any]:
         ref, driver = self.ref, self.driver
         if ref.form == "json":  # a copy whatever `view` says: its values are Python's
             try:
@@ -791,13 +807,13 @@ class _SharedRead:
             return outcome
         if not view:
             try:
-                value = driver._segments.read_value(ref, pickle_modules)
+                value = driver._segments.read_value(ref)
             finally:
                 await self.release()
             return {"result": value}
         try:
             await driver.call("shm_view", ref.name, ref.generation)
-            value, memory = view_value(ref, pickle_modules)
+            value, memory = view_value(ref, driver._segments.owner)
         except BaseException:
             await self.release()
             raise

@@ -3,18 +3,18 @@
 The SQL-text interface (Cube's own clients) answers RESULT with the outcome's JSON text.
 A result in shared memory, or a binary one (bytes, Arrow) stored inline, is something a
 Cube client cannot follow, so it is materialised here: JSON as it is, bytes as base64, an
-Arrow table as its rows, all through the result codec (dates as ISO text, decimals as
-strings). A result whose JSON would pass `limit` bytes is refused with an error naming
-the limit, never cut; a pickled object (Python's own form) is refused as unreadable.
+Arrow table or a DataFrame as its rows, an array as nested lists, all through the result
+codec (dates as ISO text, decimals as strings). A result whose JSON would pass `limit`
+bytes is refused with an error naming the limit, never cut.
 """
 
 from __future__ import annotations
 
 import orjson
 
-from queryqueue.engine.binary import INLINE_MARK, parse_inline, read_binary
+from queryqueue.engine.binary import INLINE_MARK, parse_inline, read_arrow, read_binary
 from queryqueue.engine.codec import Codecs
-from queryqueue.engine.errors import InvalidCommandError, ResultTooLargeError
+from queryqueue.engine.errors import ResultTooLargeError
 
 DEFAULT_SQL_RESULT_LIMIT = 64 * 1024 * 1024
 
@@ -39,14 +39,10 @@ def as_json(form: str, data: bytes, limit: int) -> str:
         raise too_large(len(data), limit)
     if form == "json":
         return str(data, "utf-8")
-    if form == "pickle":
-        raise InvalidCommandError(
-            "this result is a pickled Python object, which a Cube client cannot read: read "
-            "it with a Python client"
-        )
-    value = read_binary(form, memoryview(data))
-    if form == "arrow":
-        value = value.to_pylist()
+    if form in ("arrow", "pandas"):
+        value = read_arrow(memoryview(data)).to_pylist()
+    else:
+        value = read_binary(form, memoryview(data))
     text = Codecs().encode_result(value)
     if len(text) > limit:
         raise too_large(len(text), limit)

@@ -45,7 +45,7 @@ from queryqueue.supervisor import logs, loops
 from queryqueue.supervisor.linger import WORKER_POLL_S, Gap
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.protocol import decode_retrieved, encode_retrieved
-from queryqueue.supervisor.shm import DEFAULT_THRESHOLD
+from queryqueue.supervisor.shm_segment import DEFAULT_THRESHOLD
 from queryqueue.supervisor.watch import CANCEL as _CANCEL
 from queryqueue.supervisor.watch import CANCEL_HANDLER as _CANCEL_HANDLER
 from queryqueue.supervisor.watch import DRAINING as _DRAINING

@@ -55,7 +55,8 @@ from queryqueue.supervisor.protocol import (
     encode_frame,
     error_payload,
 )
-from queryqueue.supervisor.shm import SegmentPool, name_prefix, parse_reference
+from queryqueue.supervisor.shm import SegmentPool
+from queryqueue.supervisor.shm_segment import name_prefix, parse_reference
 from queryqueue.supervisor.synced import SyncGate
 
 _log = logging.getLogger("queryqueue.server")

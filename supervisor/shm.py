@@ -31,133 +31,45 @@ A segment viewed in place is never rewritten while a view may remain: a view rel
 with nothing referring to it lets its segment be reused; one still referenced, or whose
 reader hung up, leaves it to be unlinked once free (its pages live as long as the view).
 
-`multiprocessing.shared_memory.SharedMemory` registers every attach with a resource
-tracker that unlinks the segment when the *attaching* process exits (Python < 3.13), which
-would destroy results the supervisor owns; so segments are opened with the same
-`_posixshmem` calls it uses, without the tracker.
+A segment is its owner's alone (`shm_segment.py`): names no other user can guess, mode
+0600, and every open checks the descriptor's owner and mode, adoption included.
 """
 
 from __future__ import annotations
 
-import _posixshmem
-import contextlib
-import hashlib
+import logging
 import mmap
 import os
 import secrets
-import struct
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import orjson
+from queryqueue.engine.binary import from_bytes
+from queryqueue.engine.errors import InvalidCommandError
+from queryqueue.supervisor.shm_segment import (
+    HEADER,
+    MAGIC,
+    MAGIC_READ,
+    SHM_DIR,
+    ForeignSegmentError,
+    Reference,
+    SharedMemoryFullError,
+    SharedResultError,
+    create,
+    open_owned,
+    parse_reference,
+    unlink,
+)
 
-from queryqueue.engine.binary import FORMS, BinaryResult, from_bytes, read_binary
-from queryqueue.engine.errors import InvalidCommandError, StoreError
-
-DEFAULT_THRESHOLD = 1024 * 1024
+_log = logging.getLogger(__name__)
 # Caps on segments in use (written, stored or being read): in all, and leased to one
 # connection (writing or reading), so one client cannot take every other's room.
 DEFAULT_MAX_TOTAL = 4 * 1024 * 1024 * 1024
 DEFAULT_MAX_CONNECTION = 1024 * 1024 * 1024
 MIN_SEGMENT = 1024 * 1024
-HEADER = struct.Struct("<8sQ")  # magic, generation
-MAGIC = b"qqresult"
-# The same segment once delivered to a reader: a supervisor that adopts segments after a
-# crash leaves these (whoever waited has it), so a read result never outlives its reader.
-MAGIC_READ = b"qqresred"
-REFERENCE_MARK = '{"$shm":'
-SHM_DIR = Path("/dev/shm")
-
-
-class SharedResultError(StoreError):
-    """A shared-memory result could not be written or read (segment gone or reused)."""
-
-
-class SharedMemoryFullError(SharedResultError):
-    """No segment for this result: /dev/shm is full, or a cap on shared memory (per
-    connection, in total) would be passed. The writer sends the result through the socket."""
-
-
-def _free_bytes() -> int:
-    try:
-        info = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return info.f_bavail * info.f_frsize
-
-
-def name_prefix(socket_path: str | Path) -> str:
-    """Segments of the supervisor serving `socket_path` start with this (no leading /)."""
-    digest = hashlib.sha1(str(Path(socket_path).resolve()).encode()).hexdigest()[:10]
-    return f"qq{digest}_"
-
-
-def _open(name: str, size: int | None, *, populate: bool = True) -> mmap.mmap:
-    """Map segment `name`; create it with `size` bytes when `size` is given. `populate`:
-    map every page now (a writer's or reader's mapping: no page faults in its copy)."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
-    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
-    try:
-        if size is not None:
-            os.ftruncate(fd, size)
-            try:
-                # Make every page now: touching a page tmpfs has no room for kills the
-                # toucher with SIGBUS, and a later write into it costs no allocation.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                _unlink(name)
-                raise SharedMemoryFullError(
-                    f"no room in {SHM_DIR} for a {size}-byte segment ({exc.strerror}): "
-                    f"{_free_bytes()} bytes free there"
-                ) from None
-        length = os.fstat(fd).st_size
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-        return mmap.mmap(fd, length, flags=flags)
-    finally:
-        os.close(fd)
-
-
-def _unlink(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        _posixshmem.shm_unlink("/" + name)
-
-
-class Reference(NamedTuple):
-    name: str
-    generation: int
-    size: int
-    form: str  # "json": the outcome's text; else a binary result's form (engine/binary.py)
-
-
-def reference(name: str, generation: int, size: int, form: str = "json") -> str:
-    shape: dict[str, Any] = {"$shm": name, "gen": generation, "size": size}
-    if form != "json":
-        shape["form"] = form
-    return orjson.dumps(shape).decode()
-
-
-def parse_reference(text: Any) -> Reference | None:
-    """The reference `text` is, or None when it is not one."""
-    if not isinstance(text, str) or not text.startswith(REFERENCE_MARK) or len(text) > 512:
-        return None
-    try:
-        data = orjson.loads(text)
-        name, generation, size = data["$shm"], data["gen"], data["size"]
-        form = data.get("form", "json")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    if not (isinstance(name, str) and isinstance(generation, int) and isinstance(size, int)):
-        return None
-    if form != "json" and form not in FORMS:
-        return None
-    return Reference(name, generation, size, form)
-
-
-# -- the supervisor's side -------------------------------------------------------------------
 
 
 @dataclass(eq=False)
@@ -210,7 +122,10 @@ class SegmentPool:
         self.max_segment = max_segment
         self.clock = clock
         self._segments: dict[str, _Segment] = {}
-        self._token = secrets.token_hex(3)
+        # This start's own part of every name: no other user can guess a name to plant a
+        # file under before this supervisor creates it.
+        self._token = secrets.token_hex(8)
+        self.owner = os.geteuid()
         self._serial = 0
         self._generation = 0
         self.created = 0
@@ -260,8 +175,8 @@ class SegmentPool:
 
     def _create(self, capacity: int) -> _Segment:
         self._serial += 1
-        name = f"{self.prefix}{self._token}{self._serial}"
-        memory = _open(name, capacity, populate=False)  # nothing of ours writes it in bulk
+        name = f"{self.prefix}{self._token}_{self._serial}"
+        memory = create(name, capacity)  # not populated: nothing of ours writes it in bulk
         segment = self._segments[name] = _Segment(name, capacity, memory)
         self.created += 1
         return segment
@@ -417,26 +332,35 @@ class SegmentPool:
             if (s.state == "writing" and s.writer is owner) or owner in s.readers
         )
 
-    def adopt(self, directory: Path = SHM_DIR) -> int:
-        """Take over the segments a crashed supervisor on this socket left behind."""
-        adopted = 0
-        if not directory.is_dir():
-            return 0
-        for path in directory.glob(self.prefix + "*"):
+    def adopt(self) -> int:
+        """Take over the segments a crashed supervisor on this socket left behind: only
+        files of this uid, mode 0600, with a header of ours; any other file under the
+        prefix is left alone, and named in one warning."""
+        adopted, foreign = 0, []
+        for path in SHM_DIR.glob(self.prefix + "*") if SHM_DIR.is_dir() else ():
             try:
-                memory = _open(path.name, None)
-            except OSError:
+                memory = open_owned(path.name, self.owner)
+            except ForeignSegmentError as exc:
+                foreign.append(str(exc))
                 continue
+            except SharedResultError:
+                continue  # gone meanwhile
             magic, generation = HEADER.unpack_from(memory, 0)
             if magic != MAGIC or generation <= 0:  # free, being written, or read already
                 memory.close()
-                _unlink(path.name)
+                unlink(path.name)
                 continue
             segment = _Segment(path.name, len(memory), memory, generation, "stored")
             segment.stored_at = self.clock()
             self._segments[path.name] = segment
             self._generation = max(self._generation, generation)
             adopted += 1
+        if foreign:
+            _log.warning(
+                "left alone %d file(s) under this supervisor's segment names: %s",
+                len(foreign),
+                "; ".join(foreign),
+            )
         return adopted
 
     def close(self, *, keep_stored: bool = False) -> None:
@@ -491,94 +415,4 @@ class SegmentPool:
     def _destroy(self, segment: _Segment) -> None:
         self._segments.pop(segment.name, None)
         segment.memory.close()
-        _unlink(segment.name)
-
-
-# -- the client's side --------------------------------------------------------------------------
-
-
-class SegmentMaps:
-    """A process's mappings of segments, kept while they are reused (bounded)."""
-
-    def __init__(self, keep: int = 8) -> None:
-        self.keep = keep
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
-
-    def _map(self, name: str) -> mmap.mmap:
-        memory = self._maps.pop(name, None)
-        if memory is None:
-            try:
-                memory = _open(name, None)
-            except FileNotFoundError:
-                raise SharedResultError(f"shared-memory segment {name} is gone") from None
-        self._maps[name] = memory
-        while len(self._maps) > self.keep:
-            _, old = self._maps.popitem(last=False)
-            old.close()
-        return memory
-
-    def write(self, slot: dict[str, Any], data: bytes) -> str:
-        """Write `data` into the segment `shm_alloc` gave; the reference to ACK with."""
-        return self.write_binary(slot, from_bytes("json", data))
-
-    def write_binary(self, slot: dict[str, Any], result: BinaryResult) -> str:
-        """Write `result` (once, in place) into the segment `shm_alloc` gave; the
-        reference to ACK with."""
-        name, generation = slot["name"], slot["gen"]
-        memory = self._map(name)
-        if result.size > len(memory) - HEADER.size or _generation(memory) != generation:
-            raise SharedResultError(f"shared-memory segment {name} is not ours to write")
-        with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + result.size] as target:
-            result.write_into(target)
-        return reference(name, generation, result.size, result.form)
-
-    def read(self, ref: Reference) -> str:
-        """A JSON result's text, decoded straight out of its segment: one copy."""
-        text: str = self._read(ref, lambda data: str(data, "utf-8"))
-        return text
-
-    def read_json(self, ref: Reference) -> Any:
-        """A JSON result, parsed straight out of its segment."""
-        return self._read(ref, orjson.loads)
-
-    def read_value(self, ref: Reference, pickle_modules: Collection[str]) -> Any:
-        """A binary result, copied out of its segment."""
-        return self._read(
-            ref, lambda data: read_binary(ref.form, data, pickle_modules=pickle_modules)
-        )
-
-    def _read(self, ref: Reference, read: Callable[[memoryview], Any]) -> Any:
-        # The generation before and after: a segment reused meanwhile is an error, never
-        # another result's bytes.
-        memory = self._map(ref.name)
-        if _generation(memory) != ref.generation or ref.size > len(memory) - HEADER.size:
-            raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
-        with memoryview(memory) as whole, whole[HEADER.size : HEADER.size + ref.size] as data:
-            value = read(data)
-        if _generation(memory) != ref.generation:
-            raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
-        return value
-
-    def close(self) -> None:
-        for memory in self._maps.values():
-            memory.close()
-        self._maps.clear()
-
-
-def view_value(ref: Reference, pickle_modules: Collection[str]) -> tuple[Any, mmap.mmap]:
-    """A binary result read in place, and the mapping of its own it is read from (which
-    cannot close while the value, or anything made of it, is still referenced)."""
-    try:
-        memory = _open(ref.name, None)
-    except FileNotFoundError:
-        raise SharedResultError(f"shared-memory segment {ref.name} is gone") from None
-    if _generation(memory) != ref.generation or ref.size > len(memory) - HEADER.size:
-        memory.close()
-        raise SharedResultError(f"shared-memory result {ref.name}#{ref.generation} was reused")
-    data = memoryview(memory)[HEADER.size : HEADER.size + ref.size]
-    return read_binary(ref.form, data, view=True, pickle_modules=pickle_modules), memory
-
-
-def _generation(memory: mmap.mmap) -> int:
-    magic, generation = HEADER.unpack_from(memory, 0)
-    return int(generation) if magic in (MAGIC, MAGIC_READ) else -1
+        unlink(segment.name)

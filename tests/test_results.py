@@ -1,5 +1,5 @@
 """Results as data people use: the codec's types both ways, binary results (bytes, Arrow,
-pickled arrays) through shared memory, views and their leases, and what a Cube client
+DataFrames, numpy arrays) through shared memory, views and their leases, and what a Cube client
 reads of them."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import datetime as dt
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -22,23 +21,19 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pandas as pd
 import pyarrow as pa
 import pytest
 
-from queryqueue import Codecs, Pickled, QueryError, SocketQueueDriver
-from queryqueue.engine.binary import DEFAULT_PICKLE_MODULES, binary_of, read_binary
+from queryqueue import Codecs, QueryError, SocketQueueDriver
+from queryqueue.engine.binary import binary_of, read_binary
 from queryqueue.engine.outcome import parse_result
 from queryqueue.supervisor.protocol import encode_frame, read_frame
 from queryqueue.supervisor.server import QueueServer
-from queryqueue.supervisor.shm import (
-    SHM_DIR,
-    SegmentMaps,
-    SegmentPool,
-    name_prefix,
-    view_value,
-)
-from queryqueue.supervisor.shm import parse_reference as ref_of
-from tests.apps.results_app import Money, arrow_table, many_rows, typed_rows
+from queryqueue.supervisor.shm import SegmentPool
+from queryqueue.supervisor.shm_segment import SHM_DIR, SegmentMaps, name_prefix, view_value
+from queryqueue.supervisor.shm_segment import parse_reference as ref_of
+from tests.apps.results_app import Money, arrow_table, frame, many_rows, typed_rows
 from tests.supervisor_util import REPO, SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until
 
@@ -143,9 +138,13 @@ def test_a_registered_codec_and_a_reader_without_it() -> None:
     [
         b"\x01\x02" * 1000,
         arrow_table(1000),
-        Pickled({"a": np.arange(1000, dtype="int32"), "b": [1, "x"]}),
+        frame(1000),
+        np.arange(1000, dtype="int32").reshape(10, 100),
+        np.asfortranarray(np.arange(12, dtype=">f8").reshape(3, 4)),
+        np.array(["2026-12-01", "2026-12-02"], dtype="datetime64[D]"),
+        np.zeros((0, 3), dtype="int8"),
     ],
-    ids=["bytes", "arrow", "pickle"],
+    ids=["bytes", "arrow", "pandas", "npy", "npy-fortran", "npy-datetime", "npy-empty"],
 )
 def test_a_binary_result_comes_back_equal_as_a_copy_a_view_and_inline(value: Any) -> None:
     result = binary_of(value)
@@ -153,33 +152,35 @@ def test_a_binary_result_comes_back_equal_as_a_copy_a_view_and_inline(value: Any
     data = memoryview(result.to_bytes())
     assert data.nbytes == result.size
     inline = parse_result(orjson.loads(result.inline_text()), Codecs())
-    for back in (read_binary(result.form, data, pickle_modules=DEFAULT_PICKLE_MODULES), inline):
-        if isinstance(value, Pickled):
-            assert (back["a"] == value.value["a"]).all() and back["b"] == [1, "x"]
-        elif isinstance(value, pa.Table):
-            assert back.equals(value)
-        else:
-            assert back == value
-    view = read_binary(result.form, data, view=True, pickle_modules=DEFAULT_PICKLE_MODULES)
-    if isinstance(value, Pickled):
-        assert not view["a"].flags.writeable  # over the buffer it was read from
+    for back in (read_binary(result.form, data), inline):
+        _assert_same(back, value)
+    view = read_binary(result.form, data, view=True)
+    _assert_same(view, value)
+    if isinstance(value, np.ndarray):
+        assert back.flags.writeable and (value.size == 0 or not view.flags.writeable)
     elif isinstance(value, bytes):
         assert view.readonly and bytes(view) == value
 
 
-def test_a_pickled_result_is_unpickled_only_into_allowed_modules() -> None:
-    result = binary_of(Pickled(os.system))  # a reference to a function that runs commands
-    assert result is not None
-    with pytest.raises(QueryError, match=r"posix\.system.*not among the modules"):
-        read_binary("pickle", memoryview(result.to_bytes()), pickle_modules=["numpy"])
-    gadget = pickle.dumps(eval)
-    with pytest.raises(QueryError, match=r"builtins\.eval"):
-        read_binary("pickle", memoryview(_framed(gadget)), pickle_modules=["builtins"])
+def _assert_same(back: Any, value: Any) -> None:
+    if isinstance(value, pa.Table):
+        assert back.equals(value)
+    elif isinstance(value, pd.DataFrame):
+        pd.testing.assert_frame_equal(back, value)
+    elif isinstance(value, np.ndarray):
+        assert back.dtype == value.dtype and back.shape == value.shape
+        assert (back == value).all()
+    else:
+        assert back == value
 
 
-def _framed(pickled: bytes) -> bytes:
-    """A pickle result's layout by hand: no buffers, one length, the pickle."""
-    return (0).to_bytes(4, "little") + len(pickled).to_bytes(8, "little") + pickled
+def test_an_array_of_python_objects_is_refused_on_both_sides_by_name() -> None:
+    assert binary_of(np.array([object()], dtype=object)) is None  # the JSON codec's, then
+    header = b"{'descr': '|O', 'fortran_order': False, 'shape': (1,), }"
+    padded = header + b" " * (-(len(header) + 11) % 64) + b"\n"
+    crafted = b"\x93NUMPY\x01\x00" + len(padded).to_bytes(2, "little") + padded + bytes(8)
+    with pytest.raises(QueryError, match=r"dtype object is refused.*Python objects"):
+        read_binary("npy", memoryview(crafted))
 
 
 def test_a_lease_ends_with_the_result_ttl_and_its_segment_is_never_rewritten(
@@ -197,7 +198,7 @@ def test_a_lease_ends_with_the_result_ttl_and_its_segment_is_never_rewritten(
         assert pool.lease(ref, "reader")
         parsed = ref_of(ref)
         assert parsed is not None
-        view, _ = view_value(parsed, ())
+        view, _ = view_value(parsed, maps.owner)
         now[0] += 61.0  # the reader never released it
         pool.sweep()
         assert pool.describe()["segments"] == 0 and not (SHM_DIR / parsed.name).exists()
@@ -241,10 +242,10 @@ async def test_a_view_lease_outlives_a_copy_of_the_same_result(server: QueueServ
     try:
         seen = await viewer.result(queue_id)
         assert seen is not None and seen.shared is not None
-        viewed = await seen.shared.read(view=True, pickle_modules=())
+        viewed = await seen.shared.read(view=True)
         copied = await copier.result(queue_id)
         assert copied is not None and copied.shared is not None
-        copy = (await copied.shared.read(view=False, pickle_modules=()))["result"]
+        copy = (await copied.shared.read(view=False))["result"]
         assert copy.equals(table) and viewed["result"].equals(table)
         name = seen.shared.ref.name
         server.segments.sweep()
@@ -267,7 +268,7 @@ async def test_a_view_nothing_refers_to_at_its_release_leaves_its_segment_for_re
     try:
         seen = await reader.result(queue_id)
         assert seen is not None and seen.shared is not None
-        outcome = await seen.shared.read(view=True, pickle_modules=())
+        outcome = await seen.shared.read(view=True)
         release, name = outcome.pop("$lease"), seen.shared.ref.name
         assert outcome["result"].readonly and bytes(outcome["result"][:2]) == b"vv"
         del outcome
@@ -310,14 +311,11 @@ async def test_a_cube_client_is_refused_a_result_over_the_limit_by_name(
     server: QueueServer,
 ) -> None:
     server.limits = dataclasses.replace(server.limits, max_sql_result=2 * MiB)
-    for value in ("x" * (3 * MiB), arrow_table(200_000), Pickled(np.zeros(10))):
+    for value in ("x" * (3 * MiB), arrow_table(200_000), np.zeros(300_000)):
         queue_id = await _acked(server, value)
         reply = await _sql(server, f"QUEUE RESULT {queue_id}")
         message = reply["error"]["message"]
-        if isinstance(value, Pickled):
-            assert "pickled Python object" in message
-        else:
-            assert f"limit of {2 * MiB} bytes" in message and "--sql-result-limit" in message
+        assert f"limit of {2 * MiB} bytes" in message and "--sql-result-limit" in message
 
 
 # -- through a worker pool ------------------------------------------------------------------
@@ -366,10 +364,12 @@ async def test_typed_values_and_binary_results_round_trip_through_the_pool(app: 
     assert rows == many_rows(20_000) and isinstance(rows[5]["price"], Decimal)
     raw = await app.run("bytes", "bytes", {"size": 4 * MiB})
     assert raw == bytes(range(256)) * (4 * MiB // 256)
-    pickled = await app.run("pickled", "pickled", {"n": 1_000_000})
-    assert (pickled["a"] == np.arange(1_000_000)).all() and pickled["a"].flags.writeable
-    with pytest.raises(QueryError, match="not among the modules"):
-        await app.run("refused_pickle", "refused", {})
+    array = await app.run("array", "array", {"n": 1_000_000})
+    assert (array == np.arange(1_000_000).reshape(-1, 4)).all() and array.flags.writeable
+    table = await app.run("frame", "frame", {"rows": 50_000})
+    pd.testing.assert_frame_equal(table, frame(50_000))
+    with pytest.raises(QueryError, match=r"results_app\.Opaque at result\['cells'\]\[0\]"):
+        await app.run("object_array", "object_array", {})
 
 
 async def _stats(pool: SupervisorProcess) -> dict[str, Any]:
@@ -455,7 +455,7 @@ async def test_a_view_is_released_when_its_reader_is_killed(
         # Another reader copies the same result (by id: it reads many times) and is done.
         copied = await driver.result(queue_id)
         assert copied is not None and copied.shared is not None
-        copy = await copied.shared.read(view=False, pickle_modules=())
+        copy = await copied.shared.read(view=False)
         assert copy["result"].equals(arrow_table(100_000))
         name = copied.shared.ref.name
         go.touch()

@@ -21,11 +21,11 @@ from queryqueue import (
 )
 from queryqueue.supervisor.protocol import encode_frame, read_frame
 from queryqueue.supervisor.server import QueueServer
-from queryqueue.supervisor.shm import (
+from queryqueue.supervisor.shm import SegmentPool
+from queryqueue.supervisor.shm_segment import (
     HEADER,
     SHM_DIR,
     SegmentMaps,
-    SegmentPool,
     SharedMemoryFullError,
     SharedResultError,
     name_prefix,

@@ -323,7 +323,7 @@ async def test_large_results_travel_through_shared_memory_and_leave_nothing(
 ) -> None:
     import hashlib
 
-    from queryqueue.supervisor.shm import SHM_DIR, name_prefix
+    from queryqueue.supervisor.shm_segment import SHM_DIR, name_prefix
     from tests.apps.pool_app import app, big_text
     from tests.waiting import wait_until
 

@@ -1,5 +1,5 @@
 """A QueueApp whose handlers return what users' queries return: typed values, Arrow
-tables, bytes, pickled arrays; each run leaves a line in $POOL_TRACE."""
+tables, bytes, DataFrames and numpy arrays; each run leaves a line in $POOL_TRACE."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from decimal import Decimal
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 
-from queryqueue import Pickled, QueueApp
+from queryqueue import QueueApp
 
 app = QueueApp("results", concurrency=2, continue_wait_timeout=1.0, heartbeat_interval=0.25)
 
@@ -95,11 +96,23 @@ def raw(query: Any, set_cancel_handler: Any) -> bytes:
     return bytes(range(256)) * (int(query["size"]) // 256)
 
 
-@app.handler("pickled")
-def pickled(query: Any, set_cancel_handler: Any) -> Pickled:
-    return Pickled({"a": np.arange(query["n"], dtype="int32"), "label": "p"})
+@app.handler("array")
+def array(query: Any, set_cancel_handler: Any) -> Any:
+    return np.arange(query["n"], dtype="int32").reshape(-1, 4)
 
 
-@app.handler("refused_pickle")
-def refused_pickle(query: Any, set_cancel_handler: Any) -> Pickled:
-    return Pickled(Opaque())  # tests.apps is not among the modules callers unpickle
+def frame(rows: int) -> pd.DataFrame:
+    return pd.DataFrame(
+        {"id": np.arange(rows), "price": [Decimal(i) / 100 for i in range(rows)]},
+        index=pd.Index([f"r{i}" for i in range(rows)], name="row"),
+    )
+
+
+@app.handler("frame")
+def dataframe(query: Any, set_cancel_handler: Any) -> pd.DataFrame:
+    return frame(query["rows"])
+
+
+@app.handler("object_array")
+def object_array(query: Any, set_cancel_handler: Any) -> Any:
+    return {"cells": np.array([Opaque()], dtype=object)}
