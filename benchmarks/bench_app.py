@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from queryqueue.supervisor.app import QueueApp
+from queryqueue.app import QueueApp
 
 # Callers wait for their results without going back in between (no continue-wait noise).
 app = QueueApp("bench", concurrency=2, continue_wait_timeout=60.0, heartbeat_interval=5.0)

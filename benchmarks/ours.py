@@ -73,8 +73,8 @@ async def _produce(
     out: Any,
 ) -> None:
     from benchmarks.bench_app import app
+    from queryqueue.driver_socket.client import SocketQueueDriver
     from queryqueue.engine.errors import ContinueWaitError
-    from queryqueue.supervisor.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, decode_in_place=True)  # as QueueApp's own
     queue = app.pool_queue(driver)
@@ -175,7 +175,7 @@ class Run:
 
 
 def stats(socket_path: Path) -> dict[str, Any]:
-    from queryqueue.supervisor.client import SocketQueueDriver
+    from queryqueue.driver_socket.client import SocketQueueDriver
 
     async def ask() -> dict[str, Any]:
         driver = SocketQueueDriver(socket_path)

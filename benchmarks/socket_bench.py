@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import micro
-from queryqueue.supervisor.client import SocketQueueDriver
+from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.supervisor.launch import launch
 
 

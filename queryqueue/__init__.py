@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from queryqueue.app import QueueApp
+from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.driver_sqlite import SqliteQueueStore
 from queryqueue.engine.binary import ResultView
 from queryqueue.engine.codec import Codecs
@@ -50,8 +52,6 @@ from queryqueue.engine.store import QueueStore
 from queryqueue.engine.stream import QueryStream
 from queryqueue.engine.sync import SyncQueryQueue
 from queryqueue.engine.version import package_version
-from queryqueue.supervisor.app import QueueApp
-from queryqueue.supervisor.client import SocketQueueDriver
 
 if TYPE_CHECKING:
     from queryqueue.driver_postgres import PostgresQueueStore

@@ -2,6 +2,6 @@
 
 import sys
 
-from queryqueue.supervisor.cli import main
+from queryqueue.cli import main
 
 sys.exit(main())

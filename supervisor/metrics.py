@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from queryqueue.driver_socket.segments import parse_reference
 from queryqueue.engine.responses import AddAndRetrieveResponse
-from queryqueue.supervisor.shm_segment import parse_reference
 
 RECENT = 50  # completions and errors kept for the status page
 SERIES_STEP_S = 10  # one point of the throughput and latency charts per 10 s

@@ -9,11 +9,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from queryqueue.driver_socket.deadlines import Deadlines
 from queryqueue.engine.errors import QueueError
 from queryqueue.engine.responses import QueueKey
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.waiters import AckEvent, Waiter
-from queryqueue.supervisor.deadlines import Deadlines
 
 
 class ParkedPoll:

@@ -34,6 +34,8 @@ import multiprocess
 import orjson
 import psutil
 
+from queryqueue.driver_socket.protocol import decode_retrieved, encode_retrieved
+from queryqueue.driver_socket.segments import DEFAULT_THRESHOLD
 from queryqueue.engine.driver import LocalQueueDriver
 from queryqueue.engine.errors import QueryTimeoutError, QueueError, WorkerLostError
 from queryqueue.engine.outcome import encode_error, encode_retry
@@ -44,8 +46,6 @@ from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import logs, loops
 from queryqueue.supervisor.linger import WORKER_POLL_S, Gap
 from queryqueue.supervisor.loops import LoopChoice
-from queryqueue.supervisor.protocol import decode_retrieved, encode_retrieved
-from queryqueue.supervisor.shm_segment import DEFAULT_THRESHOLD
 from queryqueue.supervisor.watch import CANCEL as _CANCEL
 from queryqueue.supervisor.watch import CANCEL_HANDLER as _CANCEL_HANDLER
 from queryqueue.supervisor.watch import DRAINING as _DRAINING
@@ -184,7 +184,7 @@ class WorkerPool:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from queryqueue.supervisor.app import load_app
+        from queryqueue.app import load_app
 
         app = load_app(self.app_ref)
         self._loop = asyncio.get_running_loop()
@@ -851,7 +851,7 @@ class WorkerPool:
 
 
 async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None:
-    from queryqueue.supervisor.app import load_app
+    from queryqueue.app import load_app
 
     try:
         app = load_app(app_ref)
@@ -998,8 +998,8 @@ async def _worker_loop(
     halted vCPU costs tens of them."""
     import signal
 
-    from queryqueue.supervisor.app import load_app
-    from queryqueue.supervisor.client import SocketQueueDriver
+    from queryqueue.app import load_app
+    from queryqueue.driver_socket.client import SocketQueueDriver
 
     app = load_app(app_ref)
     driver = SocketQueueDriver(socket_path, shm_threshold=shm_threshold)

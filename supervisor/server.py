@@ -27,6 +27,17 @@ from typing import Any, Literal
 
 import orjson
 
+from queryqueue.driver_socket.deadlines import Deadlines
+from queryqueue.driver_socket.frames import FrameReader
+from queryqueue.driver_socket.protocol import (
+    DEFAULT_MAX_FRAME,
+    FrameError,
+    answer_frame,
+    encode_body,
+    encode_frame,
+    error_payload,
+)
+from queryqueue.driver_socket.segments import name_prefix, parse_reference
 from queryqueue.engine.commands import Command, served
 from queryqueue.engine.connection import decode_def, decode_query
 from queryqueue.engine.errors import (
@@ -42,21 +53,10 @@ from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_key, check_prefix, check_priority, check_process_id
 from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results, guard, loops, sqltext
-from queryqueue.supervisor.deadlines import Deadlines
-from queryqueue.supervisor.frames import FrameReader
 from queryqueue.supervisor.linger import POLL_S, Gap, Linger
 from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
 from queryqueue.supervisor.pool import WorkerPool
-from queryqueue.supervisor.protocol import (
-    DEFAULT_MAX_FRAME,
-    FrameError,
-    answer_frame,
-    encode_body,
-    encode_frame,
-    error_payload,
-)
 from queryqueue.supervisor.shm import SegmentPool
-from queryqueue.supervisor.shm_segment import name_prefix, parse_reference
 from queryqueue.supervisor.synced import SyncGate
 
 _log = logging.getLogger("queryqueue.server")

@@ -47,9 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from queryqueue.engine.binary import from_bytes
-from queryqueue.engine.errors import InvalidCommandError
-from queryqueue.supervisor.shm_segment import (
+from queryqueue.driver_socket.segments import (
     HEADER,
     MAGIC,
     MAGIC_READ,
@@ -63,6 +61,8 @@ from queryqueue.supervisor.shm_segment import (
     parse_reference,
     unlink,
 )
+from queryqueue.engine.binary import from_bytes
+from queryqueue.engine.errors import InvalidCommandError
 
 _log = logging.getLogger(__name__)
 # Caps on segments in use (written, stored or being read): in all, and leased to one

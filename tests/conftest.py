@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from queryqueue import MemoryQueueStore, QueueStore, SqliteQueueStore
+from queryqueue.driver_socket.segments import SHM_DIR
 from queryqueue.engine.clock import ManualClock
 from queryqueue.supervisor.server import QueueServer
-from queryqueue.supervisor.shm_segment import SHM_DIR
 from tests.postgres_util import postgres_store
 from tests.supervisor_util import socket_dir
 

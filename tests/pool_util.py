@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.engine.errors import ContinueWaitError
 from queryqueue.engine.store import QueueStore
-from queryqueue.supervisor.client import SocketQueueDriver
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
 

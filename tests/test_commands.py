@@ -8,8 +8,9 @@ from typing import Any, TypeVar
 
 from queryqueue import MemoryQueueStore, QueueStore
 from queryqueue.driver_postgres.store import PostgresQueueStore
+from queryqueue.driver_socket import client, protocol
 from queryqueue.engine.commands import served, table
-from queryqueue.supervisor import client, protocol, server
+from queryqueue.supervisor import server
 
 T = TypeVar("T")
 

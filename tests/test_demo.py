@@ -10,7 +10,7 @@ import sys
 
 import psutil
 
-from queryqueue.supervisor.demo import BACKGROUND, Outcome, digest, plan, summarize
+from queryqueue.demo import BACKGROUND, Outcome, digest, plan, summarize
 from tests.supervisor_util import REPO
 
 

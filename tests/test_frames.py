@@ -1,4 +1,4 @@
-"""The supervisor's frame reader (supervisor/frames.py), driven byte by byte: a fake
+"""The supervisor's frame reader (driver_socket/frames.py), driven byte by byte: a fake
 transport records what the reader asks of it, a sink records what it is handed."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from queryqueue.supervisor.client import SocketQueueDriver
-from queryqueue.supervisor.frames import FrameReader
-from queryqueue.supervisor.protocol import FrameError
+from queryqueue.driver_socket.client import SocketQueueDriver
+from queryqueue.driver_socket.frames import FrameReader
+from queryqueue.driver_socket.protocol import FrameError
 from tests.supervisor_util import start_supervisor
 
 

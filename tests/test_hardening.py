@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from queryqueue import AuthenticationError, MemoryQueueStore, SocketQueueDriver, SqliteQueueStore
-from queryqueue.supervisor.protocol import read_frame
+from queryqueue.driver_socket.protocol import read_frame
 from queryqueue.supervisor.server import Limits, QueueServer
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.waiting import wait_until, wait_until_sync

@@ -16,10 +16,10 @@ import orjson
 import pytest
 
 from queryqueue import MemoryQueueStore, QueueError, SqliteQueueStore
-from queryqueue.supervisor import protocol
+from queryqueue.driver_socket import protocol
+from queryqueue.driver_socket.client import SocketQueueDriver
+from queryqueue.driver_socket.deadlines import Deadlines
 from queryqueue.supervisor import server as server_module
-from queryqueue.supervisor.client import SocketQueueDriver
-from queryqueue.supervisor.deadlines import Deadlines
 from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
@@ -1058,7 +1058,7 @@ def test_a_negative_poll_is_refused(workdir: Path) -> None:
 def test_the_command_refuses_a_negative_poll(
     workdir: Path, capsys: pytest.CaptureFixture[str], option: str
 ) -> None:
-    from queryqueue.supervisor.cli import main
+    from queryqueue.cli import main
 
     with pytest.raises(SystemExit) as exited:
         main(["supervisor", "--db", str(workdir / "q.db"), option, "-5"])

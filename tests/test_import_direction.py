@@ -1,5 +1,7 @@
-"""Imports flow one way: leaves import nothing of ours, the engine never imports a concrete
-store or the supervisor, and a store never imports the supervisor."""
+"""Imports flow one way: engine <- drivers (SQLite, PostgreSQL, the socket) <- the app
+(`queryqueue/app.py`) <- the supervisor <- the command line and the demo. Leaves import
+nothing of ours, the engine never imports a driver, a driver never imports another driver,
+the app, or the supervisor, and the app never imports the supervisor."""
 
 from __future__ import annotations
 
@@ -10,14 +12,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"engine", "driver_sqlite", "driver_postgres", "supervisor", "benchmarks", "queryqueue"}
-# package -> packages of ours it may import
+DRIVERS = {"driver_sqlite", "driver_postgres", "driver_socket"}
+OURS = {"engine", *DRIVERS, "app", "supervisor", "benchmarks", "queryqueue"}
+# package (a folder, or a module of queryqueue/) -> packages of ours it may import
 ALLOWED = {
     "engine": {"engine"},
     "driver_sqlite": {"engine", "driver_sqlite"},
     "driver_postgres": {"engine", "driver_postgres"},
-    "supervisor": {"engine", "driver_sqlite", "driver_postgres", "supervisor"},
+    "driver_socket": {"engine", "driver_socket"},
+    "app": {"engine", "driver_socket"},
+    "supervisor": {"engine", *DRIVERS, "app", "supervisor"},
 }
+# queryqueue/'s own modules: the app is a layer of its own, the rest (the command line,
+# the demo, the public names) sit on top of everything.
+TOP = ROOT / "queryqueue"
 LEAVES = {"engine/errors.py", "engine/clock.py", "engine/responses.py"}
 
 
@@ -40,13 +48,14 @@ def _imports(path: Path) -> set[str]:
 
 
 def _modules() -> list[Path]:
-    return sorted(p for package in ALLOWED for p in (ROOT / package).rglob("*.py"))
+    folders = [p for package in ALLOWED.keys() - {"app"} for p in (ROOT / package).rglob("*.py")]
+    return sorted([*folders, TOP / "app.py"])
 
 
 @pytest.mark.parametrize("module", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_flow_one_way(module: Path) -> None:
     relative = module.relative_to(ROOT).as_posix()
-    package = relative.split("/")[0]
+    package = "app" if module == TOP / "app.py" else relative.split("/")[0]
     imported = _imports(module)
     if relative in LEAVES:
         assert imported - {"engine"} == set()
@@ -71,7 +80,7 @@ def _full_imports(path: Path) -> set[str]:
 def test_only_the_public_package_imports_its_subpackages_by_their_folder_names() -> None:
     """Every module imports ours as `queryqueue.X`: a bare `import engine` would load a
     second copy of the module from the checkout (and does not exist once installed)."""
-    bare = {"engine", "driver_sqlite", "driver_postgres", "supervisor"}
+    bare = {"engine", *DRIVERS, "supervisor"}
     offenders = []
     for path in _checkout_sources():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 from queryqueue import InvalidCommandError, MemoryQueueStore, QueueStore, SqliteQueueStore
+from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.engine.driver import LocalQueueDriver
 from queryqueue.engine.queue import QueryQueue
-from queryqueue.supervisor.client import SocketQueueDriver
 from queryqueue.supervisor.server import QueueServer
 from tests.waiting import wait_until
 
@@ -241,7 +241,7 @@ async def test_requests_time_out_on_one_deadline_heap_and_the_link_goes_on(
     unanswered ones fail with CommandTimeoutError at their deadline, nothing of them is
     left pending, and the connection still answers what is answered."""
     from queryqueue import CommandTimeoutError
-    from queryqueue.supervisor.protocol import encode_frame, read_frame
+    from queryqueue.driver_socket.protocol import encode_frame, read_frame
 
     async def half_deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Answers hello and ping; swallows everything else.

@@ -640,7 +640,7 @@ def test_after_a_reconnect_active_items_are_not_reaped_for_the_outage(schema: st
 async def test_large_results_are_readable_on_every_host(
     workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from queryqueue.supervisor.shm_segment import SHM_DIR, name_prefix
+    from queryqueue.driver_socket.segments import SHM_DIR, name_prefix
     from tests.apps.pool_app import big_text
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))

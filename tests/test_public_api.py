@@ -107,12 +107,11 @@ def test_an_install_adds_exactly_one_top_level_package(tmp_path: Path) -> None:
         "queryqueue/engine/queue.py",
         "queryqueue/driver_sqlite/store.py",
         "queryqueue/driver_postgres/store.py",
-        "queryqueue/supervisor/cli.py",
+        "queryqueue/driver_socket/client.py",
+        "queryqueue/app.py",
+        "queryqueue/cli.py",
         "queryqueue/supervisor/status.html",  # the --http page, package data
     ):
         assert expected in names, expected
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert (
-        "queryqueue = queryqueue.supervisor.cli:main"
-        in zipfile.ZipFile(wheel).read(entry_points).decode()
-    )
+    assert "queryqueue = queryqueue.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

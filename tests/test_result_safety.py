@@ -32,13 +32,13 @@ import pyarrow.csv
 import pytest
 
 from queryqueue import Codecs, MemoryQueueStore, QueryError, QueueApp, SocketQueueDriver
+from queryqueue.driver_socket.segments import SegmentMaps, parse_reference, view_value
 from queryqueue.engine.binary import from_bytes, read_binary
 from queryqueue.engine.hashing import hash_query_key
 from queryqueue.engine.outcome import parse_result
 from queryqueue.supervisor.cube_results import as_json, inline_as_json
 from queryqueue.supervisor.server import QueueServer
 from queryqueue.supervisor.shm import SegmentPool
-from queryqueue.supervisor.shm_segment import SegmentMaps, parse_reference, view_value
 from tests.waiting import wait_until
 
 MiB = 1024 * 1024

@@ -26,13 +26,13 @@ import pyarrow as pa
 import pytest
 
 from queryqueue import Codecs, QueryError, SocketQueueDriver
+from queryqueue.driver_socket.protocol import encode_frame, read_frame
+from queryqueue.driver_socket.segments import SHM_DIR, SegmentMaps, name_prefix, view_value
+from queryqueue.driver_socket.segments import parse_reference as ref_of
 from queryqueue.engine.binary import binary_of, read_binary
 from queryqueue.engine.outcome import parse_result
-from queryqueue.supervisor.protocol import encode_frame, read_frame
 from queryqueue.supervisor.server import QueueServer
 from queryqueue.supervisor.shm import SegmentPool
-from queryqueue.supervisor.shm_segment import SHM_DIR, SegmentMaps, name_prefix, view_value
-from queryqueue.supervisor.shm_segment import parse_reference as ref_of
 from tests.apps.results_app import Money, arrow_table, frame, many_rows, typed_rows
 from tests.supervisor_util import REPO, SupervisorProcess, socket_dir, start_supervisor
 from tests.waiting import wait_until

@@ -19,10 +19,8 @@ from queryqueue import (
     SocketQueueDriver,
     StoreError,
 )
-from queryqueue.supervisor.protocol import encode_frame, read_frame
-from queryqueue.supervisor.server import QueueServer
-from queryqueue.supervisor.shm import SegmentPool
-from queryqueue.supervisor.shm_segment import (
+from queryqueue.driver_socket.protocol import encode_frame, read_frame
+from queryqueue.driver_socket.segments import (
     HEADER,
     SHM_DIR,
     SegmentMaps,
@@ -31,6 +29,8 @@ from queryqueue.supervisor.shm_segment import (
     name_prefix,
     parse_reference,
 )
+from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.shm import SegmentPool
 from tests.waiting import wait_until
 
 MiB = 1024 * 1024

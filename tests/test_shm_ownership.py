@@ -15,10 +15,7 @@ from pathlib import Path
 import pytest
 
 from queryqueue import MemoryQueueStore, SocketQueueDriver
-from queryqueue.engine.binary import binary_of
-from queryqueue.supervisor.server import QueueServer
-from queryqueue.supervisor.shm import SegmentPool
-from queryqueue.supervisor.shm_segment import (
+from queryqueue.driver_socket.segments import (
     HEADER,
     MAGIC,
     SHM_DIR,
@@ -29,6 +26,9 @@ from queryqueue.supervisor.shm_segment import (
     parse_reference,
     unlink,
 )
+from queryqueue.engine.binary import binary_of
+from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.shm import SegmentPool
 
 MiB = 1024 * 1024
 PLANTED = b"planted by another user"

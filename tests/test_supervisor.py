@@ -361,7 +361,7 @@ CRASH_CLIENT = textwrap.dedent(
     import asyncio, sys
     from queryqueue.engine.errors import QueueError
     from queryqueue.engine.queue import QueryQueue
-    from queryqueue.supervisor.client import SocketQueueDriver
+    from queryqueue.driver_socket.client import SocketQueueDriver
 
     socket_path, name, count, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 
@@ -472,7 +472,7 @@ def test_tcp_listener_is_loopback_only() -> None:
 FORK_SCRIPT = textwrap.dedent(
     """
     import asyncio, os, sys
-    from queryqueue.supervisor.client import SocketQueueDriver
+    from queryqueue.driver_socket.client import SocketQueueDriver
 
     driver = SocketQueueDriver(sys.argv[1])
 

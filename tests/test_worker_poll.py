@@ -16,10 +16,10 @@ import orjson
 import pytest
 
 from queryqueue import MemoryQueueStore, SqliteQueueStore
+from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.supervisor import loops
 from queryqueue.supervisor import pool as pool_module
-from queryqueue.supervisor.client import SocketQueueDriver
 from queryqueue.supervisor.linger import Gap
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer

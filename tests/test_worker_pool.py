@@ -323,7 +323,7 @@ async def test_large_results_travel_through_shared_memory_and_leave_nothing(
 ) -> None:
     import hashlib
 
-    from queryqueue.supervisor.shm_segment import SHM_DIR, name_prefix
+    from queryqueue.driver_socket.segments import SHM_DIR, name_prefix
     from tests.apps.pool_app import app, big_text
     from tests.waiting import wait_until
 
@@ -476,7 +476,7 @@ async def test_workers_are_recycled_above_max_memory(
 
 
 def test_each_event_loop_gets_its_own_client_queue(workdir: Path) -> None:
-    from queryqueue.supervisor.app import QueueApp
+    from queryqueue.app import QueueApp
 
     app = QueueApp("loops")
     app.socket_path = workdir / "s.sock"

@@ -1,6 +1,6 @@
 """The demo's queue: analytical SQL against a SQLite "warehouse" file.
 
-The supervisor's workers import this module (`--app queryqueue.supervisor.demo_app:app`), and so do
+The supervisor's workers import this module (`--app queryqueue.demo_app:app`), and so do
 the demo's request processes. Each query names the warehouse file it runs against, so the
 module holds no configuration.
 """
@@ -13,8 +13,8 @@ import threading
 import uuid
 from typing import Any
 
+from queryqueue.app import QueueApp
 from queryqueue.engine.stream import QueryStream
-from queryqueue.supervisor.app import QueueApp
 
 # Executions time out after this many seconds (the demo submits one query that does).
 EXECUTION_TIMEOUT = float(os.environ.get("QUERYQUEUE_DEMO_TIMEOUT", "4"))

@@ -11,13 +11,13 @@ from typing import Any
 
 import orjson
 
+from queryqueue.driver_socket.paths import SOCKET_ENV, default_socket_path
 from queryqueue.engine.errors import QueueError
 from queryqueue.engine.version import package_version
 from queryqueue.supervisor import guard, logs
 from queryqueue.supervisor.linger import POLL_S, WORKER_POLL_S
 from queryqueue.supervisor.logs import FORMAT_ENV, LEVEL_ENV, LEVELS
 from queryqueue.supervisor.loops import CHOICES, LoopUnavailableError, loop_factory
-from queryqueue.supervisor.paths import SOCKET_ENV, default_socket_path
 from queryqueue.supervisor.tables import table
 
 MiB = 1024 * 1024
@@ -357,7 +357,7 @@ def _main(argv: list[str] | None) -> int:
     except QueueError as exc:
         print(f"queryqueue: {exc}", file=sys.stderr)
         return 1
-    from queryqueue.supervisor.demo import run_demo
+    from queryqueue.demo import run_demo
 
     return run_demo(
         requests=args.requests,
@@ -391,7 +391,7 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _supervisor(
     parser: argparse.ArgumentParser, args: argparse.Namespace, socket_path: Path
 ) -> int:
-    from queryqueue.supervisor.app import AppNotFoundError, load_app
+    from queryqueue.app import AppNotFoundError, load_app
     from queryqueue.supervisor.process import run
     from queryqueue.supervisor.server import Limits
 
@@ -459,7 +459,7 @@ def _supervisor(
 
 
 async def _status(socket_path: Path, as_json: bool, watch: float | None, count: int | None) -> int:
-    from queryqueue.supervisor.client import SocketQueueDriver
+    from queryqueue.driver_socket.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
     shown = 0
@@ -520,10 +520,10 @@ def _print_status(stats: dict[str, Any]) -> None:
 async def _cancel(
     socket_path: Path, key: str | None, prefix: str | None, request_id: str | None
 ) -> int:
+    from queryqueue.driver_socket.client import SocketQueueDriver
     from queryqueue.engine.hashing import hash_query_key
     from queryqueue.engine.outcome import encode_cancelled
     from queryqueue.engine.queue import QueryQueue
-    from queryqueue.supervisor.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
 
@@ -576,7 +576,7 @@ async def _cancel(
 
 
 async def _sql(socket_path: Path, text: str) -> int:
-    from queryqueue.supervisor.client import SocketQueueDriver
+    from queryqueue.driver_socket.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
     try:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.engine.codec import Codecs
 from queryqueue.engine.driver import QueueDriver
 from queryqueue.engine.handlers import (
@@ -33,7 +34,6 @@ from queryqueue.engine.handlers import (
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.sync import SyncQueryQueue
-from queryqueue.supervisor.client import SocketQueueDriver
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -27,6 +27,23 @@ from typing import Any
 
 import orjson
 
+from queryqueue.driver_socket.deadlines import Deadlines
+from queryqueue.driver_socket.frames import FrameReader
+from queryqueue.driver_socket.paths import default_socket_path
+from queryqueue.driver_socket.protocol import (
+    DECODERS,
+    DEFAULT_MAX_FRAME,
+    FrameError,
+    encode_frame,
+    raise_error,
+)
+from queryqueue.driver_socket.segments import (
+    DEFAULT_THRESHOLD,
+    Reference,
+    SegmentMaps,
+    parse_reference,
+    view_value,
+)
 from queryqueue.engine.aio import runs_here
 from queryqueue.engine.binary import BinaryResult, Outcome, from_bytes
 from queryqueue.engine.commands import served
@@ -49,23 +66,6 @@ from queryqueue.engine.responses import (
     ToCancelResponse,
 )
 from queryqueue.engine.retrieved import RetrievedQuery
-from queryqueue.supervisor.deadlines import Deadlines
-from queryqueue.supervisor.frames import FrameReader
-from queryqueue.supervisor.paths import default_socket_path
-from queryqueue.supervisor.protocol import (
-    DECODERS,
-    DEFAULT_MAX_FRAME,
-    FrameError,
-    encode_frame,
-    raise_error,
-)
-from queryqueue.supervisor.shm_segment import (
-    DEFAULT_THRESHOLD,
-    Reference,
-    SegmentMaps,
-    parse_reference,
-    view_value,
-)
 
 _log = logging.getLogger("queryqueue.client")
 # Room in a frame for an ACK's envelope around its result (id, command, key, quoting).

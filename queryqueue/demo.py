@@ -2,7 +2,7 @@
 request processes, on a temporary SQLite queue.
 
 1. Generates a sales "warehouse" (a SQLite file, `--rows` rows, no download).
-2. Starts `queryqueue supervisor --app queryqueue.supervisor.demo_app:app --workers N` on a temp queue.
+2. Starts `queryqueue supervisor --app queryqueue.demo_app:app --workers N` on a temp queue.
 3. Starts `--clients` request processes that submit `--requests` analytical queries between
    them, many users at once: popular queries are asked by many processes at the same time
    (deduplicated), interactive lookups at priority 10 (the fast track) among background
@@ -221,9 +221,9 @@ async def _client(
     interactive: list[Request],
     interactive_go: Any,
 ) -> None:
+    from queryqueue.demo_app import app
+    from queryqueue.driver_socket.client import SocketQueueDriver
     from queryqueue.engine.errors import QueryCancelledError, QueryError, QueryTimeoutError
-    from queryqueue.supervisor.client import SocketQueueDriver
-    from queryqueue.supervisor.demo_app import app
 
     fast_tracked: set[str] = set()
 
@@ -396,7 +396,7 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
         tmp / "queue.db",
         socket_path,
         "--app",
-        "queryqueue.supervisor.demo_app:app",
+        "queryqueue.demo_app:app",
         "--workers",
         str(workers),
         "--cancel-grace",
@@ -481,13 +481,13 @@ def _run(tmp: Path, requests: int, workers: int, rows: int, clients: int, users:
 
 
 def _direct(warehouse: Path, sql: str) -> list[list[Any]]:
-    from queryqueue.supervisor.demo_app import run_sql
+    from queryqueue.demo_app import run_sql
 
     return run_sql(str(warehouse), sql)
 
 
 async def _stats(socket_path: Path) -> dict[str, Any]:
-    from queryqueue.supervisor.client import SocketQueueDriver
+    from queryqueue.driver_socket.client import SocketQueueDriver
 
     driver = SocketQueueDriver(socket_path, reconnect_timeout=2.0)
     try:

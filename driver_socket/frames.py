@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol, cast
 
-from queryqueue.supervisor.protocol import HEADER, FrameError, cut_short, over_limit
+from queryqueue.driver_socket.protocol import HEADER, FrameError, cut_short, over_limit
 
 
 class FrameSink(Protocol):
