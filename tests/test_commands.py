@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from queryqueue import MemoryQueueStore, QueueStore
 from queryqueue.driver_postgres.store import PostgresQueueStore
-from queryqueue.driver_socket import client, protocol
+from queryqueue.driver_socket import link, protocol
 from queryqueue.engine.commands import served, table
 from queryqueue.supervisor import server
 
@@ -28,12 +28,12 @@ def test_every_served_command_is_a_store_method_with_a_decoder() -> None:
 
 
 def test_the_client_resends_only_what_the_table_allows() -> None:
-    assert client._retry_safe("add", ["p:k", "{}"], {})  # a re-ADD joins the same item
-    assert not client._retry_safe("add_and_retrieve", ["p:k", "{}", 2], {})
-    assert not client._retry_safe("ack", ["p:k", "{}"], {})  # by path: it might act twice
-    assert client._retry_safe("ack", [17, "{}"], {})
-    assert client._retry_safe("result", ["p:k"], {"consumer": "read-1"})
-    assert not client._retry_safe("truncate", [], {})
+    assert link.retry_safe("add", ["p:k", "{}"], {})  # a re-ADD joins the same item
+    assert not link.retry_safe("add_and_retrieve", ["p:k", "{}", 2], {})
+    assert not link.retry_safe("ack", ["p:k", "{}"], {})  # by path: it might act twice
+    assert link.retry_safe("ack", [17, "{}"], {})
+    assert link.retry_safe("result", ["p:k"], {"consumer": "read-1"})
+    assert not link.retry_safe("truncate", [], {})
 
 
 def test_the_postgres_store_overrides_one_hook_and_no_command() -> None:

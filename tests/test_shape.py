@@ -1,5 +1,8 @@
-"""The engine stays small enough to hold in one's head: modules of at most 500 lines,
-functions of at most 60 (issue: "a shape a maintainer can read")."""
+"""Every production package stays small enough to hold in one's head: modules of at most
+500 lines, classes of at most 400, functions of at most 60.
+
+The places still over a cap are listed in `OVER` with their size today: none may grow, none
+may join the list, and one brought within its cap must leave it (the list only shrinks)."""
 
 from __future__ import annotations
 
@@ -8,19 +11,82 @@ from pathlib import Path
 
 import pytest
 
-ENGINE = Path(__file__).resolve().parents[1] / "engine"
-MODULES = sorted(ENGINE.glob("*.py"))
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = [
+    "engine",
+    "driver_sqlite",
+    "driver_postgres",
+    "driver_socket",
+    "supervisor",
+    "queryqueue",
+]
+CAPS = {"module": 500, "class": 400, "function": 60}
+OVER = {
+    "class engine/executor.py:Executor": 413,
+    "class engine/queue.py:QueryQueue": 450,
+    "class engine/store.py:QueueStore": 414,
+    "module driver_sqlite/store.py": 729,
+    "function driver_sqlite/store.py:__init__": 89,
+    "module driver_postgres/store.py": 1733,
+    "class driver_postgres/store.py:PostgresTransaction": 453,
+    "class driver_postgres/store.py:PostgresQueueStore": 792,
+    "function driver_postgres/store.py:__init__": 74,
+    "function driver_postgres/store.py:_command_in": 65,
+    "module supervisor/pool.py": 1096,
+    "class supervisor/pool.py:WorkerPool": 732,
+    "function supervisor/pool.py:_worker_loop": 120,
+    "function supervisor/pool.py:__init__": 63,
+    "function supervisor/process.py:_serve_store": 70,
+    "module supervisor/server.py": 2088,
+    "class supervisor/server.py:QueueServer": 1532,
+    "function supervisor/server.py:__init__": 97,
+    "module queryqueue/cli.py": 602,
+    "function queryqueue/cli.py:_parser": 268,
+    "function queryqueue/cli.py:_supervisor": 68,
+    "module queryqueue/demo.py": 614,
+    "function queryqueue/demo.py:_client": 110,
+    "function queryqueue/demo.py:_run": 98,
+    "function queryqueue/demo.py:summarize": 74,
+}
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda p: p.name)
-def test_engine_modules_and_functions_stay_short(module: Path) -> None:
+def _modules() -> list[Path]:
+    # queryqueue/ links to the other folders: only its own files are its own
+    return sorted(
+        path
+        for package in PACKAGES
+        for path in (ROOT / package).glob("*.py")
+        if not path.is_symlink()
+    )
+
+
+def _sizes(module: Path) -> dict[str, int]:
+    """Every module, class and function of `module` with its length in lines."""
+    relative = module.relative_to(ROOT).as_posix()
     text = module.read_text()
-    assert len(text.splitlines()) <= 500, f"{module.name} has {len(text.splitlines())} lines"
-    long = [
-        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
-        for node in ast.walk(ast.parse(text))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.end_lineno is not None
-        and node.end_lineno - node.lineno + 1 > 60
-    ]
-    assert long == [], f"{module.name}: {long}"
+    sizes = {f"module {relative}": len(text.splitlines())}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            assert node.end_lineno is not None
+            size = node.end_lineno - node.lineno + 1
+            name = f"{kind} {relative}:{node.name}"
+            sizes[name] = max(size, sizes.get(name, 0))
+    return sizes
+
+
+@pytest.mark.parametrize("module", _modules(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_modules_classes_and_functions_stay_within_their_caps(module: Path) -> None:
+    problems = []
+    for name, size in _sizes(module).items():
+        cap = CAPS[name.split(" ")[0]]
+        if size > OVER.get(name, cap):
+            problems.append(f"{name} has {size} lines (cap {OVER.get(name, cap)})")
+        elif name in OVER and size <= cap:
+            problems.append(f"{name} is within its cap of {cap} now: take it off OVER")
+    assert problems == []
+
+
+def test_every_place_listed_over_its_cap_still_exists() -> None:
+    found = {name for module in _modules() for name in _sizes(module)}
+    assert sorted(set(OVER) - found) == []
