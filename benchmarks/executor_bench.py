@@ -28,8 +28,8 @@ from queryqueue.engine.memory_store import MemoryQueueStore
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.supervisor import loops
-from queryqueue.supervisor.pool import SYNC_HANDLER_WAIT
 from queryqueue.supervisor.watch import WorkerWatch
+from queryqueue.supervisor.worker import SYNC_HANDLER_WAIT
 
 PAYLOAD = '{"queryHandler": "noop", "query": 1}'
 CHUNK = 250

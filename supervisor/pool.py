@@ -10,16 +10,15 @@ The supervisor owns the store, so it also watches the executions it handed out:
   through the store (CANCEL, then the app's cancel handler), not a heartbeat timeout
   later: waiting callers get ContinueWaitError and, on retry, a fresh execution.
 
-Workers are spawned `multiprocess` processes; each runs `QueryQueue.execute_query` with
-its own connection to the supervisor. A hand-off reaches a worker as JSON over its pipe,
-never as a pickle: it is the query as the store holds it.
+Workers are spawned `multiprocess` processes (`worker.py`); each runs
+`QueryQueue.execute_query` with its own connection to the supervisor. A hand-off reaches
+a worker as JSON over its pipe, never as a pickle: it is the query as the store holds it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import inspect
 import logging
 import os
@@ -34,7 +33,6 @@ import multiprocess
 import orjson
 import psutil
 
-from queryqueue.driver_socket.protocol import decode_retrieved, encode_retrieved
 from queryqueue.driver_socket.segments import DEFAULT_THRESHOLD
 from queryqueue.engine.driver import LocalQueueDriver
 from queryqueue.engine.errors import QueryTimeoutError, QueueError, WorkerLostError
@@ -43,39 +41,25 @@ from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.responses import QueueId, QueueKey
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
-from queryqueue.supervisor import logs, loops
-from queryqueue.supervisor.linger import WORKER_POLL_S, Gap
+from queryqueue.supervisor import loops
+from queryqueue.supervisor.linger import WORKER_POLL_S
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.watch import CANCEL as _CANCEL
 from queryqueue.supervisor.watch import CANCEL_HANDLER as _CANCEL_HANDLER
 from queryqueue.supervisor.watch import DRAINING as _DRAINING
 from queryqueue.supervisor.watch import TIMED_OUT as _TIMED_OUT
-from queryqueue.supervisor.watch import WorkerWatch
+from queryqueue.supervisor.worker import (
+    DONE,
+    LOST,
+    job_message,
+    parse_report,
+    saturates,
+    worker_main,
+)
 
 _log = logging.getLogger("queryqueue.pool")
 SPAWN_RETRY_FIRST = 0.1
 SPAWN_RETRY_MAX = 5.0
-
-# How long a worker's loop waits on the spot for the outcome of a sync handler that runs
-# in a thread, not on the loop's (its cancel handler is async: `Executor.watch`). The
-# worker runs one query at a time: meanwhile its loop only heartbeats, reads cancels and
-# records what the handler sends, each then that much later. A handler done within it
-# costs no wake-up of the loop; a slower one's outcome comes through the loop as before.
-SYNC_HANDLER_WAIT = 0.002
-
-# Messages to a worker over its pipe, by their first byte (and _CANCEL); an empty one asks
-# it to exit.
-_JOB = b"J"
-# A job retrieved with nothing else pending (the queue is not saturated): after it, the
-# worker may poll for its next rather than sleep (`_worker_loop`). A saturated queue's
-# workers never poll: spinning, they took the CPU its supervisor and callers needed.
-_JOB_THEN_POLL = b"P"
-# From a worker, each followed by the queue id (JSON) of the query it is about (and the
-# watch's: _DRAINING, a handler of it still runs, no more work till it ends; _TIMED_OUT;
-# _CANCEL_HANDLER). None after an ACK its supervisor answered: the supervisor saw it
-# commit, and that ends the query.
-_DONE = b"done"  # ended without an ACK (cancelled before it started), or drained
-_LOST = b"lost"  # its outcome could not be stored: give it back
 
 
 @dataclass(eq=False)
@@ -441,7 +425,7 @@ class WorkerPool:
         if self._job(retrieved.queue_id) is not None:
             raise RuntimeError(f"queue item {retrieved.queue_id} is handed off already")
         path = f"{prefix}:{retrieved.query_key_hash}"
-        self.saturated = _saturates(retrieved)
+        self.saturated = saturates(retrieved)
         query = retrieved.query if isinstance(retrieved.query, dict) else {}
         added = query.get("addedToQueueTime")
         priority = query.get("priority")
@@ -507,7 +491,7 @@ class WorkerPool:
 
     def acking(self, queue_id: QueueId) -> None:
         """The ACK of a worker's query is in a batch whose COMMIT starts now: the worker
-        runs its next without waiting for that ACK's answer (`_worker_loop`), so it is sent
+        runs its next without waiting for that ACK's answer (`worker._WorkerLoop`), so it is sent
         it now, while the COMMIT makes its round trip, not once the batch is answered.
         Not a worker that may still run a thread of that query (its DRAINING comes once
         the ACK is answered), nor one due to retire after it."""
@@ -620,12 +604,12 @@ class WorkerPool:
             asyncio.get_running_loop().add_reader(worker.process.sentinel, self._on_exit, worker)
             worker.watchers = [worker.process.sentinel]
             return
-        kind, queue_id, text = _parse_report(message)
+        kind, queue_id, text = parse_report(message)
         if kind == _CANCEL_HANDLER and queue_id is not None and text is not None:
             self.note(queue_id, text)
             return
         acking = worker.acking
-        if kind == _LOST and acking is not None and acking.queue_id == queue_id:
+        if kind == LOST and acking is not None and acking.queue_id == queue_id:
             # Its ACK, sent as its next query started, was not stored through every retry.
             worker.acking = None
             self._in_background(self._give_back(acking))
@@ -644,10 +628,10 @@ class WorkerPool:
             elif job is not None:  # sent since its ACK: it waits for the thread, unstarted
                 worker.job, worker.next = None, job
             return
-        if kind == _LOST and ours:
+        if kind == LOST and ours:
             assert job is not None
             self._in_background(self._give_back(job))
-        if kind in (_LOST, _DONE):
+        if kind in (LOST, DONE):
             if ours:
                 self._finished(worker)
             elif job is None and worker.draining_since is not None:
@@ -864,67 +848,6 @@ async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None
         _log.exception("cancel handler of a reclaimed query failed")
 
 
-# -- the worker process ----------------------------------------------------------------------
-
-
-def worker_main(
-    app_ref: str,
-    socket_path: str,
-    conn: Any,
-    shm_threshold: int | None,
-    event_loop: LoopChoice = "auto",
-    poll_s: float = 0.0,
-) -> None:
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <worker>` prints where it is
-    # Ctrl-C reaches the whole process group: the supervisor stops its workers itself, so
-    # a worker neither dies mid-query nor prints a KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    supervisor = os.getppid()
-    _die_with_parent()
-    logs.configure(role="worker")  # the supervisor's level and format, on its stream
-    loops.run(
-        _worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor, poll_s), event_loop
-    )
-
-
-def job_message(retrieved: RetrievedQuery) -> bytes:
-    """What a worker is sent to run `retrieved`: retrieved with nothing else pending (the
-    queue is not saturated), it says the worker may poll for its next afterwards."""
-    return (_JOB if _saturates(retrieved) else _JOB_THEN_POLL) + encode_retrieved(retrieved)
-
-
-def _saturates(retrieved: RetrievedQuery) -> bool:
-    """Retrieved with others left pending: its queue is saturated."""
-    return retrieved.queue_size > 0
-
-
-def _report(kind: bytes, queue_id: QueueId) -> bytes:
-    return kind + orjson.dumps(queue_id)
-
-
-def _parse_report(message: bytes) -> tuple[bytes | None, QueueId | None, str | None]:
-    """A worker's report: its kind, the queue id it is about and, for a _TIMED_OUT or a
-    _CANCEL_HANDLER, its text (None, None, None: unknown)."""
-    for kind in (_DONE, _LOST, _DRAINING, _TIMED_OUT, _CANCEL_HANDLER):
-        if not message.startswith(kind):
-            continue
-        try:
-            body = orjson.loads(message[len(kind) :])
-        except orjson.JSONDecodeError:
-            break
-        if kind in (_TIMED_OUT, _CANCEL_HANDLER):
-            match body:
-                case [int(queue_id), str(text)]:
-                    return kind, queue_id, text
-                case _:
-                    break
-        return kind, body if isinstance(body, int) else None, None
-    return None, None, None
-
-
 def _shown_key(query_key: Any) -> str:
     """A query key for people to read: a string as it is, anything else as JSON."""
     if isinstance(query_key, str):
@@ -933,164 +856,3 @@ def _shown_key(query_key: Any) -> str:
         return orjson.dumps(query_key).decode()[:200]
     except TypeError:
         return repr(query_key)[:200]
-
-
-async def _run_to_its_ack(queue: QueryQueue, retrieved: RetrievedQuery) -> asyncio.Future[bool]:
-    """Run `retrieved` until its ACK goes out; the future of `execute_query` (True once
-    the ACK is answered) is returned then, running on."""
-    sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def acknowledging(*_: object) -> None:
-        if not sent.done():
-            sent.set_result(None)
-
-    running = asyncio.ensure_future(
-        queue.executor.execute_query(retrieved, acknowledging=acknowledging)
-    )
-    running.add_done_callback(acknowledging)  # it ended before an ACK (never raises)
-    await sent
-    return running
-
-
-def _reported(
-    conn: Any, queue_id: QueueId, acks: set[asyncio.Future[bool]], running: asyncio.Future[bool]
-) -> None:
-    """A query the worker went on from: its ACK answered, or lost (the supervisor gives
-    it back)."""
-    acks.discard(running)
-    if not running.cancelled() and not running.result():
-        with contextlib.suppress(OSError, ValueError):
-            conn.send_bytes(_report(_LOST, queue_id))
-
-
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: the kernel sends SIGTERM when the supervisor dies, whatever
-    happens to the pipe (Linux only; elsewhere the pipe's EOF alone tells)."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-
-
-async def _worker_loop(
-    app_ref: str,
-    socket_path: str,
-    conn: Any,
-    shm_threshold: int | None,
-    supervisor: int,
-    poll_s: float = 0.0,
-) -> None:
-    """Run what the supervisor hands over, one query at a time: the next starts once the
-    last one's ACK has gone out, not once it is answered (the supervisor sends the next as
-    that ACK's batch commits, `WorkerPool.acking`); a query whose ACK is then not stored
-    through every retry is reported lost, later.
-
-    When the supervisor dies (the pipe's EOF, or SIGTERM from PR_SET_PDEATHSIG) the worker
-    takes no more work and finishes the query in hand: its ACK goes to a supervisor that is
-    back on the socket within the client's reconnect timeout (no work lost), else the item
-    is reclaimed as stalled by the next one. Then it exits.
-
-    Between queries it polls for the next rather than sleep when that usually comes within
-    `poll_s` of its last ACK (linger.Gap): a caller sending queries one after another has
-    the next handed over a few hundred microseconds later, and on a VM the wake-up of a
-    halted vCPU costs tens of them."""
-    import signal
-
-    from queryqueue.app import load_app
-    from queryqueue.driver_socket.client import SocketQueueDriver
-
-    app = load_app(app_ref)
-    driver = SocketQueueDriver(socket_path, shm_threshold=shm_threshold)
-    queue = app.pool_queue(driver)
-    queue.executor.sync_handler_wait = SYNC_HANDLER_WAIT
-    loop = asyncio.get_running_loop()
-    arrived: asyncio.Queue[bytes] = asyncio.Queue()
-    unstarted_cancels: set[int] = set()
-    acks: set[asyncio.Future[bool]] = set()  # queries over but for their ACK's answer
-
-    def gone() -> None:
-        # Read once: an fd at EOF stays readable, and a reader left on it spins the loop.
-        with contextlib.suppress(ValueError, OSError):
-            loop.remove_reader(conn.fileno())
-        arrived.put_nowait(b"")
-
-    def readable() -> None:
-        try:
-            message = conn.recv_bytes()
-        except (EOFError, OSError):
-            gone()
-            return
-        heard(message)
-
-    def heard(message: bytes) -> None:
-        if message.startswith(_CANCEL):
-            queue_id = orjson.loads(message[1:])
-            if not queue.cancel_execution(queue_id):
-                unstarted_cancels.add(queue_id)  # sent ahead and cancelled: never start it
-        else:
-            arrived.put_nowait(message)
-
-    watch = WorkerWatch(conn, heard, loop)
-    queue.executor.watch = watch
-    loop.add_reader(conn.fileno(), readable)
-    loop.add_signal_handler(signal.SIGTERM, gone)
-    if os.getppid() != supervisor:  # it died before PR_SET_PDEATHSIG was in place
-        gone()
-    next_query = Gap()
-    may_poll = False
-    polling = loops.Polling(loop)
-    try:
-        while True:
-            waited_from = time.monotonic()
-            if may_poll and arrived.empty():
-                until = next_query.poll_until(waited_from, poll_s)
-                if until is not None:
-                    polling.extend(until)
-            blob = await arrived.get()
-            polling.stop()
-            if poll_s > 0:
-                next_query.heard(time.monotonic() - waited_from, poll_s)
-            may_poll = poll_s > 0 and blob[:1] == _JOB_THEN_POLL
-            if not blob:
-                break
-            retrieved = decode_retrieved(blob[1:])
-            queue_id = retrieved.queue_id
-            if queue_id in unstarted_cancels:
-                unstarted_cancels.discard(queue_id)
-                conn.send_bytes(_report(_DONE, queue_id))
-                continue
-            running = await _run_to_its_ack(queue, retrieved)
-            if watch.stopped(queue_id):
-                # Cancelled or timed out while it ran on this thread: the watch told the
-                # pool it is over (so its next waits) and now it has ended.
-                reported = await running
-                with contextlib.suppress(OSError, ValueError):
-                    conn.send_bytes(_report(_DONE if reported else _LOST, queue_id))
-                continue
-            if not running.done() and not queue.handler_threads:
-                acks.add(running)
-                running.add_done_callback(functools.partial(_reported, conn, queue_id, acks))
-                continue
-            # True: its ACK was answered, which told the supervisor this query is over.
-            reported = await running
-            with contextlib.suppress(OSError, ValueError):
-                if queue.handler_threads:
-                    # A cancelled or timed-out sync handler is still running: take no more
-                    # work; the pool terminates this process unless the thread ends within
-                    # the grace.
-                    conn.send_bytes(_report(_DRAINING, queue_id))
-                    await asyncio.to_thread(queue.wait_for_handler_threads)
-                    conn.send_bytes(_report(_DONE if reported else _LOST, queue_id))
-                elif not reported:
-                    conn.send_bytes(_report(_LOST, queue_id))  # the supervisor gives it back
-    finally:
-        with contextlib.suppress(ValueError, OSError):
-            loop.remove_reader(conn.fileno())
-        loop.remove_signal_handler(signal.SIGTERM)
-        watch.close()
-        if acks:  # their answers (or their retries' end) before the connection closes
-            await asyncio.gather(*acks, return_exceptions=True)
-        await queue.close(grace=0)
-        await driver.close()

@@ -34,7 +34,7 @@ from queryqueue.engine.responses import QueueId
 
 # On a worker's pipe, each followed by JSON. From the pool:
 CANCEL = b"C"  # the queue id of an item removed from the queue
-# From the worker (`pool._parse_report` reads them), with the queue id of a query:
+# From the worker (`worker.parse_report` reads them), with the queue id of a query:
 DRAINING = b"draining"  # over for the pool, but a handler of it still runs
 TIMED_OUT = b"timeout"  # [queue id, outcome]: as DRAINING, and fail it with the outcome
 CANCEL_HANDLER = b"canceller"  # [queue id, extra]: merge into the item's extra

@@ -458,6 +458,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
     back (its waiters ask again) with no death counted against it; the query it died
     running is reclaimed as any other."""
     from queryqueue.supervisor import pool as pool_module
+    from queryqueue.supervisor import worker as worker_module
 
     store = MemoryQueueStore()
     pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
@@ -499,7 +500,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
 
     pool.acking(ids["b"])  # nothing waits: the worker is idle, b's ACK not answered yet
     assert holds() == (None, "b", "a")
-    pipe.reports.append(pool_module._report(pool_module._LOST, ids["b"]))
+    pipe.reports.append(worker_module.report(worker_module.LOST, ids["b"]))
     pool._on_message(worker)  # b's ACK was not stored through every retry
     await wait_until(lambda: queued() == {"c", "d"})
     assert outcome("b")["retry"] is True and holds() == (None, None, "a")

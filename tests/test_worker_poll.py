@@ -1,4 +1,4 @@
-"""A pool worker between queries (pool._worker_loop): it polls for its next query when the
+"""A pool worker between queries (worker.worker_loop): it polls for its next query when the
 one it ran was retrieved with nothing else pending and its queries usually follow each
 other within its poll (linger.Gap); after a query of a saturated queue it sleeps."""
 
@@ -19,7 +19,7 @@ from queryqueue import MemoryQueueStore, SqliteQueueStore
 from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.supervisor import loops
-from queryqueue.supervisor import pool as pool_module
+from queryqueue.supervisor import worker as worker_module
 from queryqueue.supervisor.linger import Gap
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
@@ -54,7 +54,7 @@ async def _worker(
     # within the test (however slow the machine).
     monkeypatch.setattr(Gap, "poll_until", lambda gap, since, at_most: since + 60.0)
     worker = asyncio.ensure_future(
-        pool_module._worker_loop(APP, str(server.socket_path), child, None, os.getppid(), poll_s)
+        worker_module.worker_loop(APP, str(server.socket_path), child, None, os.getppid(), poll_s)
     )
     try:
         yield caller, parent, passes
@@ -76,7 +76,7 @@ async def _run(caller: SocketQueueDriver, conn: Any, key: str, pending: int) -> 
     added = await caller.add_and_retrieve(path, payload, 1)
     assert added.payload is not None
     retrieved = RetrievedQuery(key, added.id, added.id, pending, orjson.loads(added.payload))
-    conn.send_bytes(pool_module.job_message(retrieved))
+    conn.send_bytes(worker_module.job_message(retrieved))
     assert await caller.result_blocking(path, 30_000) is not None
 
 
@@ -107,10 +107,10 @@ async def test_a_worker_never_polls_when_told_not_to(
 
 def test_a_hand_off_says_whether_the_worker_may_poll_after_it() -> None:
     def blob(pending: int) -> bytes:
-        return pool_module.job_message(RetrievedQuery("k", 1, 1, pending, {}))
+        return worker_module.job_message(RetrievedQuery("k", 1, 1, pending, {}))
 
-    assert blob(0)[:1] == pool_module._JOB_THEN_POLL
-    assert blob(1)[:1] == blob(500)[:1] == pool_module._JOB
+    assert blob(0)[:1] == worker_module.JOB_THEN_POLL
+    assert blob(1)[:1] == blob(500)[:1] == worker_module.JOB
 
 
 def test_the_pool_knows_its_queue_saturated_by_what_it_is_handed(workdir: Path) -> None:
