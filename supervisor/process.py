@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -16,6 +18,8 @@ from queryqueue.supervisor.linger import POLL_S
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import Limits, QueueServer
+
+_log = logging.getLogger("queryqueue.supervisor")
 
 
 def open_store(
@@ -139,9 +143,7 @@ async def _serve_store(
     if shm_caps is not None:
         server.segments.max_total_bytes, server.segments.max_connection_bytes = shm_caps
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)  # the handler only sets a flag
+    unhandle = _handle_signals(stop)
     started = False
     site = None
     try:
@@ -163,8 +165,7 @@ async def _serve_store(
             for wait in waits:
                 wait.cancel()
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
+        unhandle()
         if site is not None:
             await site.stop()
         if pool is not None:
@@ -174,6 +175,25 @@ async def _serve_store(
         store.close()
     if server.failure is not None:
         raise StoreError(f"the queue store failed: {server.failure}")
+
+
+def _handle_signals(stop: asyncio.Event) -> Callable[[], None]:
+    """SIGTERM and SIGINT stop the supervisor gracefully (the handler only sets `stop`);
+    SIGHUP, which a terminal's hang-up or a reload sends, is logged and leaves it serving.
+    Returns what removes the handlers."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(
+        signal.SIGHUP,
+        lambda: _log.warning("SIGHUP ignored: the supervisor goes on serving (SIGTERM stops it)"),
+    )
+
+    def unhandle() -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+
+    return unhandle
 
 
 async def _start_site(

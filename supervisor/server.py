@@ -57,6 +57,7 @@ from queryqueue.supervisor.linger import POLL_S, Gap, Linger
 from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.shm import SegmentPool
+from queryqueue.supervisor.stats import Stats
 from queryqueue.supervisor.synced import SyncGate
 
 _log = logging.getLogger("queryqueue.server")
@@ -70,67 +71,14 @@ _SHAPES_KEPT = 64
 _HANG_UP_S = 10.0
 # The commands whose answer tells their prefix's pending count once they ran.
 _REPORT_PENDING = frozenset({"add", "add_and_retrieve", "retrieve"})
+# The commands whose concurrency is the pool's budget for its own queue (`_budget`).
+_BUDGETED = frozenset({"add_and_retrieve", "retrieve"})
 # What a pool's worker says of the query it runs, besides its ACK (`_note_acks`).
 _POOL_STEPS = frozenset({"heartbeat", "merge_extra"})
 # How long an ADD may wait for the batch of the ACK that frees its slot (_may_hold).
 HOLD_ADDS_S = 0.002
 # An ADD's answer waits at most this long for its pipelined long poll's (`defer`).
 DEFER_ADD_ANSWER_S = 0.005
-_LATENCY_SAMPLES = 2048
-
-
-@dataclass
-class _Kind:
-    count: int = 0
-    errors: int = 0
-    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_SAMPLES))
-
-
-class Stats:
-    """Commands by kind and their latency (enqueue to answer, in ms) over recent samples."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.kinds: dict[str, _Kind] = {}
-        self.batches = 0
-        self.batched_commands = 0
-        self.throttled = 0  # times a connection was not read until its client caught up
-
-    def record(self, kind: str, seconds: float, ok: bool) -> None:
-        entry = self.kinds.get(kind)
-        if entry is None:  # not setdefault: that builds a _Kind (and its deque) every call
-            entry = self.kinds[kind] = _Kind()
-        entry.count += 1
-        entry.errors += 0 if ok else 1
-        entry.latencies.append(seconds * 1000)
-
-    def snapshot(self) -> dict[str, Any]:
-        uptime = time.monotonic() - self.started
-        total = sum(k.count for k in self.kinds.values())
-        return {
-            "uptime_s": round(uptime, 3),
-            "commands_total": total,
-            "commands_per_s": round(total / uptime, 1) if uptime > 0 else 0.0,
-            "batches": self.batches,
-            "mean_batch": round(self.batched_commands / self.batches, 2) if self.batches else 0.0,
-            "throttled": self.throttled,
-            "commands": {
-                name: {
-                    "count": k.count,
-                    "errors": k.errors,
-                    "p50_ms": _percentile(k.latencies, 0.50),
-                    "p99_ms": _percentile(k.latencies, 0.99),
-                }
-                for name, k in sorted(self.kinds.items())
-            },
-        }
-
-
-def _percentile(samples: deque[float], q: float) -> float | None:
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
 @dataclass(frozen=True)
@@ -552,6 +500,28 @@ def _poll_args(request: _Request) -> tuple[Any, int]:
     key = args[0] if args else kwargs["key"]
     timeout_ms = args[1] if len(args) > 1 else kwargs["timeout_ms"]
     return key, int(timeout_ms)
+
+
+def _budget(queue: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """A queue this supervisor's pool runs (`queue`, the pool's) has the pool's concurrency,
+    whatever the client's code says: a caller's own QueueApp cannot raise its budget."""
+    key = args[0] if args else kwargs.get("key", kwargs.get("path"))
+    if queue is None or not isinstance(key, str) or key.rpartition(":")[0] != queue.prefix:
+        return
+    if method == "add_and_retrieve" and len(args) >= 3:
+        args[2] = queue.concurrency
+    else:
+        kwargs["concurrency"] = queue.concurrency
+
+
+def _fast_tracked_answer(answer: AddAndRetrieveResponse) -> AddAndRetrieveResponse:
+    # Without the retrieved query: the caller sent it and the pool runs the store's
+    # copy, so echoing it (a query's SQL can be kilobytes) would cost every fast-tracked
+    # query a copy on the wire and a parse in the caller for nothing. Built, not
+    # dataclasses.replace: that walks the fields on every fast-tracked query.
+    return AddAndRetrieveResponse(
+        answer.id, answer.added, answer.pending, answer.active, None, None, True
+    )
 
 
 class QueueServer:
@@ -1046,6 +1016,8 @@ class QueueServer:
                 self._serve_own(connection, request_id, method, args, kwargs)
                 return None
         dispatch = method == "add_and_retrieve" and kwargs.pop("dispatch", False) is True
+        if method in _BUDGETED and self.pool is not None:
+            _budget(self.pool.queue, method, args, kwargs)
         then_wait = _then_wait(kwargs.pop("then_wait", None)) if COMMANDS[method].adds else None
         if COMMANDS[method].take_process_id and "process_id" not in kwargs:
             kwargs["process_id"] = connection.process_id
@@ -1199,7 +1171,7 @@ class QueueServer:
         assert self.pool is not None
         prefix, _, query_key_hash = path.rpartition(":")
         if self.pool.holds(answer.id):  # handed over as its COMMIT left
-            return self._fast_tracked_answer(answer)
+            return _fast_tracked_answer(answer)
         query = orjson.loads(answer.payload) if answer.payload is not None else None
         if not isinstance(query, dict):
             return answer
@@ -1212,17 +1184,7 @@ class QueueServer:
             )
         except RuntimeError:
             return answer  # stopping: the client's own hand-off fails the same way, and says so
-        return self._fast_tracked_answer(answer)
-
-    @staticmethod
-    def _fast_tracked_answer(answer: AddAndRetrieveResponse) -> AddAndRetrieveResponse:
-        # Without the retrieved query: the caller sent it and the pool runs the store's
-        # copy, so echoing it (a query's SQL can be kilobytes) would cost every fast-tracked
-        # query a copy on the wire and a parse in the caller for nothing. Built, not
-        # dataclasses.replace: that walks the fields on every fast-tracked query.
-        return AddAndRetrieveResponse(
-            answer.id, answer.added, answer.pending, answer.active, None, None, True
-        )
+        return _fast_tracked_answer(answer)
 
     async def describe(self) -> dict[str, Any]:
         pool = {"pool": self.pool.describe()} if self.pool is not None else {}
