@@ -51,13 +51,14 @@ from queryqueue.engine.responses import (
 )
 from queryqueue.engine.result_rules import blocking_lookup, lookup_result, unread_result
 from queryqueue.engine.retrieve_next import RetrieveNext
+from queryqueue.engine.upkeep import Upkeep
 from queryqueue.engine.waiters import AckEvent, ResultWaiters, SlotWatchers, Waiter
 
 T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
 
 
-class QueueStore(GroupCommit, OffLoop, ListingCommands, RetrieveNext):
+class QueueStore(GroupCommit, OffLoop, ListingCommands, RetrieveNext, Upkeep):
     """The QUEUE command set. Subclasses implement `_atomic()` and `close()` only."""
 
     shared = False  # read by other hosts' supervisors too (results must live in it)

@@ -442,20 +442,6 @@ def _acking_apart(batch: list[_Request]) -> tuple[list[_Request], list[_Request]
     ]
 
 
-def _file_sizes(path: Any) -> dict[str, int | None]:
-    """A SQLite store's database and WAL sizes (none for a server-side store)."""
-    if not isinstance(path, str | Path) or str(path) == ":memory:":
-        return {}
-
-    def size(name: str) -> int | None:
-        try:
-            return os.path.getsize(name)
-        except OSError:
-            return None
-
-    return {"db_bytes": size(str(path)), "wal_bytes": size(f"{path}-wal")}
-
-
 def _then_wait(value: Any) -> tuple[int, int] | None:
     """ADD's `then_wait`: [the request id of the RESULT_BLOCKING to run next, its timeout]."""
     if value is None:
@@ -737,10 +723,8 @@ class QueueServer:
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        checkpoint = getattr(self.store, "checkpoint", None)
-        if checkpoint is not None:
-            with contextlib.suppress(StoreError):
-                checkpoint()
+        with contextlib.suppress(StoreError):
+            self.store.checkpoint()
         self.segments.close()
         if self._deadlines is not None:
             self._deadlines.close()
@@ -1188,7 +1172,7 @@ class QueueServer:
 
     async def describe(self) -> dict[str, Any]:
         pool = {"pool": self.pool.describe()} if self.pool is not None else {}
-        checkpoints = getattr(self.store, "checkpointer", None)
+        wal = self.store.wal_state()
         return {
             **pool,
             **self.stats.snapshot(),
@@ -1199,14 +1183,12 @@ class QueueServer:
             "pid": os.getpid(),
             "event_loop": loops.running_name(),
             "collector": loops.collector_state(),
-            "files": _file_sizes(getattr(self.store, "path", None)),
-            **({"wal": self._wal_state(checkpoints)} if checkpoints is not None else {}),
+            "files": self.store.files(),
+            **({"wal": {**wal, **self._held_for_sync()}} if wal is not None else {}),
         }
 
-    def _wal_state(self, checkpoints: Any) -> dict[str, Any]:
-        syncer = getattr(self.store, "syncer", None)
-        held = {"answers_held_for_sync": self._gate.held} if self._gate is not None else {}
-        return {**checkpoints.describe(), **(syncer.describe() if syncer else {}), **held}
+    def _held_for_sync(self) -> dict[str, int]:
+        return {"answers_held_for_sync": self._gate.held} if self._gate is not None else {}
 
     # -- execution --------------------------------------------------------------------------------
 

@@ -314,7 +314,7 @@ async def test_a_batch_run_again_with_savepoints_leaves_no_long_poll_of_its_firs
     """SQLite runs a batch without savepoints first; an ACK failing after its write has the
     batch rolled back and run again, guarded. The long poll the first run subscribed for
     the pipelined ADD is forgotten: one waiter, the second run's, not two."""
-    from queryqueue.driver_sqlite.store import SqliteTransaction
+    from queryqueue.driver_sqlite.transaction import SqliteTransaction
 
     store = SqliteQueueStore(tmp_path / "q.db")
     server = QueueServer(store, workdir / "s.sock")

@@ -225,7 +225,7 @@ def test_the_purge_reads_no_more_results_however_many_are_kept(tmp_path: Path) -
     results none of which has expired costs it the same at 6,000 rows as at 60,000. With
     expired ones first it stops at its batch, and it passes over up to PURGE_WINDOW not
     yet expired to reach those behind them."""
-    from queryqueue.driver_sqlite.store import PURGE_WINDOW
+    from queryqueue.driver_sqlite.transaction import PURGE_WINDOW
     from queryqueue.engine.clock import ManualClock
     from queryqueue.engine.listing import PURGE_BATCH
 
@@ -384,7 +384,7 @@ def test_a_command_failing_in_a_batch_is_undone_alone_after_its_writes_or_before
     """Inside a batch a command's savepoint opens at its first write. An ACK that fails
     after its DELETE is rolled back to its own savepoint; an ADD that fails before writing
     anything rolls back nothing, not the command before it."""
-    from queryqueue.driver_sqlite.store import SqliteTransaction
+    from queryqueue.driver_sqlite.transaction import SqliteTransaction
 
     def failing_counts(self: SqliteTransaction, prefix: str) -> tuple[int, int]:
         raise sqlite3.OperationalError("counts refused")
@@ -545,7 +545,7 @@ def test_after_sqlite_rolls_a_batch_back_its_later_commands_write_nothing_alone(
     """Some errors (a full disk) make SQLite roll back the whole transaction. The commands
     of the batch after it must not write in autocommit, each statement on its own: they
     fail, and the batch with them."""
-    from queryqueue.driver_sqlite.store import SqliteTransaction
+    from queryqueue.driver_sqlite.transaction import SqliteTransaction
 
     def rolls_everything_back(self: SqliteTransaction, item: object, now: int) -> None:
         self._c.execute("ROLLBACK")  # as SQLite does itself on SQLITE_FULL
