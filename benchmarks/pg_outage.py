@@ -58,7 +58,7 @@ async def _timed(awaitable: Awaitable[Any]) -> tuple[float, Any]:
 async def held_lock(work: Path) -> dict[str, Any]:
     import psycopg
 
-    from queryqueue.driver_postgres.store import prefix_lock_key
+    from queryqueue.driver_postgres.statements import prefix_lock_key
 
     schema = fresh_schema()
     host = _host(work, "l", schema, URL, "--pg-lock-timeout", "20")

@@ -1,7 +1,8 @@
 """The queue store on PostgreSQL: one queue shared by supervisors on several hosts.
 
-The rules are the base class's, as for every store; this module holds all the SQL. What
-each guarantee rests on:
+The rules are the base class's, as for every store; this module runs the connections,
+batches and commits, and the SQL is its statements' (`statements.py`) and its
+transaction's (`transaction.py`, inside a batch: `batch.py`). What each guarantee rests on:
 
 * every command is one transaction (READ COMMITTED), or, in the supervisor, a savepoint
   of its batch's: what arrived for one prefix while its last batch ran commits together,
@@ -31,7 +32,6 @@ any other thread that calls a command; one more connection listens.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import functools
 import logging
@@ -40,36 +40,45 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import orjson
 import psycopg
 from psycopg import sql
 
-from queryqueue.driver_postgres.ahead import AddAhead, adds_read_ahead
-from queryqueue.driver_postgres.lean import Executor, Lean, Rows, Statements
-from queryqueue.driver_postgres.schema import ACTIVE, PENDING, migrate
+from queryqueue.driver_postgres.ahead import adds_read_ahead
+from queryqueue.driver_postgres.batch import (
+    Batch,
+    Disconnected,
+    Ending,
+    Head,
+    Known,
+    Redo,
+    send_add_reads,
+)
+from queryqueue.driver_postgres.lean import Statements
+from queryqueue.driver_postgres.schema import PENDING, migrate
+from queryqueue.driver_postgres.statements import (
+    FIND_BY_ID_IN_PREFIX,
+    NEXT_SAVEPOINT,
+    SAVEPOINT,
+    UNDO_SAVEPOINT,
+    answered_xid,
+    flush_when_read,
+    gone,
+    scalar,
+)
+from queryqueue.driver_postgres.transaction import PostgresTransaction
 from queryqueue.driver_postgres.watchdog import Watchdog
 from queryqueue.engine import validation as v
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock
-from queryqueue.engine.counts import CountChanges
-from queryqueue.engine.errors import ExternalIdConflictError, StoreError
+from queryqueue.engine.errors import StoreError
 from queryqueue.engine.group_commit import call_before_commit
 from queryqueue.engine.records import (
-    INSERTED_COLUMNS,
     ITEM_COLUMNS,
-    RESULT_COLUMNS,
-    STATUS_CODE,
-    Item,
-    PrefixOverview,
-    StoredResult,
-    inserted_values,
-    item_from_row,
-    result_from_row,
 )
-from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey, ResultResponse, ResultStatus
+from queryqueue.engine.responses import QueueKey, ResultResponse, ResultStatus
 from queryqueue.engine.result_rules import blocking_lookup
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
 from queryqueue.engine.waiters import AckEvent, Waiter
@@ -81,146 +90,14 @@ T = TypeVar("T")
 _log = logging.getLogger(__name__)
 RECONNECT_ATTEMPTS = 4
 RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a second
-_NO_SAVEPOINT = contextlib.nullcontext()
 LISTEN_CHECK_S = 5.0
 # By this long after a listener starts, the hosts that listened alone (and sent no
 # NOTIFY) have heard its hello: its waiters then look once more for what they ACKed.
 LISTEN_GRACE_S = 1.0
 CLAIMED_WAIT_S = 5.0
-# The active items a prefix's lock reads with it while there are no more (see schema.py):
-# most commands need them or nothing; a prefix with many more reads them when asked.
-ACTIVE_PREFETCH = 32
-# The rows a pool's PENDING head is read ahead with beyond what it asks for (`_Head`).
+# The rows a pool's PENDING head is read ahead with beyond what it asks for (`Head`).
 HEAD_SPARE = 8
 _IDLE, _INTRANS = psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS
-_SAVEPOINT = "SAVEPOINT command"
-_NEXT_SAVEPOINT = "RELEASE SAVEPOINT command; SAVEPOINT command"
-_UNDO_SAVEPOINT = "ROLLBACK TO SAVEPOINT command"
-# The reads an ADD may make, the same text whether sent ahead (`expect_add`) or not.
-# Locking the row found gives the transaction its id (the row's locker): read with it,
-# what a lost COMMIT is looked up by costs no statement (`_commit_in_pipeline`).
-_FIND_BY_PATH = (
-    f"SELECT {ITEM_COLUMNS}, txid_current() FROM items WHERE prefix = %s AND key = %s FOR UPDATE"
-)
-_EXTERNAL_ID_TAKEN = "SELECT 1 FROM items WHERE external_id = %s"
-# An ACK's item, read with the batch's first statements (`PostgresQueueStore.expect`).
-_FIND_BY_ID_IN_PREFIX = (
-    f"SELECT {ITEM_COLUMNS}, txid_current() FROM items WHERE id = %s AND prefix = %s FOR UPDATE"
-)
-_LATEST_RESULT_BY_PATH = (
-    f"SELECT {RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
-    " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE"
-)
-# The id of an ADD that will insert, taken with its reads (`expect_add`), so its INSERT
-# waits for no answer. Only then: `nextval` is not rolled back, and an id taken by an ADD
-# that joins would be a gap no other store leaves. Whether it inserts is the engine's
-# rule (`QueueStore._joined`) asked of the same rows: no item at the path, its external
-# id nobody's, and no unread result it may be served (`unread_result`). Otherwise NULL,
-# and the INSERT returns its id as it did before.
-_ID_IF_INSERTED = (
-    "SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM items WHERE prefix = %(prefix)s AND key = %(key)s)"
-    " AND (%(external_id)s::text IS NULL"
-    "  OR NOT EXISTS (SELECT 1 FROM items WHERE external_id = %(external_id)s))"
-    " AND (%(since)s::bigint IS NULL OR NOT COALESCE("
-    "  (SELECT NOT deleted AND (%(external_id)s::text IS NULL OR external_id IS NULL"
-    "    OR external_id = %(external_id)s)"
-    "   FROM results WHERE path = %(path)s AND expire > %(since)s AND NOT taken"
-    "   ORDER BY id DESC LIMIT 1), false))"
-    " THEN nextval(pg_get_serial_sequence('items', 'id')) END, txid_current()"
-)
-_RESULT_EXPIRE = RESULT_COLUMNS.split(", ").index("expire")
-_INSERT_RESULT = (
-    "INSERT INTO results (id, path, value, deleted, expire, external_id, consumed_by)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET"
-    " path = excluded.path, value = excluded.value, deleted = excluded.deleted,"
-    " expire = excluded.expire, external_id = excluded.external_id,"
-    " consumed_by = excluded.consumed_by"
-)
-_INSERT_ITEM = (
-    f"INSERT INTO items ({INSERTED_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
-    " %s, %s) RETURNING id, txid_current()"
-)
-_INSERT_ITEM_WITH_ID = (
-    f"INSERT INTO items ({INSERTED_COLUMNS}, id) OVERRIDING SYSTEM VALUE VALUES (%s, %s, %s,"
-    " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-)
-
-
-# The server ends this session (an administrator's terminate, a shutdown, a crash
-# restart): read as a statement's answer before the socket is seen closed, it means the
-# connection is gone as surely as a broken socket does.
-_SESSION_ENDED = (
-    psycopg.errors.AdminShutdown,
-    psycopg.errors.CrashShutdown,
-    psycopg.errors.CannotConnectNow,
-    psycopg.errors.DatabaseDropped,
-    psycopg.errors.IdleSessionTimeout,
-)
-
-
-def _gone(conn: psycopg.Connection[Any], exc: BaseException) -> bool:
-    """The connection cannot be used again (what ran on it since BEGIN did not commit).
-    One its server ended is closed here, so that the next command takes a fresh one
-    (psycopg would not see it broken until its next write)."""
-    if isinstance(exc, _SESSION_ENDED) and not conn.closed:
-        with contextlib.suppress(psycopg.Error):
-            conn.close()
-        return True
-    return conn.broken or conn.closed
-
-
-def _flush_when_read(conn: psycopg.Connection[Any]) -> None:
-    """Statements of the connection's pipeline leave together, when an answer is read.
-
-    psycopg's pipeline flushes the socket at every `execute` (a poll and a send each, and
-    a wake-up of the backend that then competes for the CPU): ~10 a transaction, 18-43 us
-    each at idle on the benchmark machine. libpq itself keeps a pipeline's statements in
-    its buffer; psycopg flushes it anyway when a result is read (`_fetch_gen(flush=True)`)
-    and at the pipeline's end. So each `execute` only hands its statement to libpq here,
-    and a Sync (the pipeline's `sync`, a rollback's) is flushed at once, as what follows
-    it waits for its answer without flushing. Relies on psycopg's pipeline internals
-    (3.2, 3.3); missing, the pipeline stays as psycopg made it."""
-    pipeline = conn._pipeline
-    queue = getattr(pipeline, "command_queue", None)
-    if pipeline is None or queue is None or not hasattr(pipeline, "_communicate_gen"):
-        return
-    pgconn = conn.pgconn
-    sync = pgconn.pipeline_sync
-
-    def communicate() -> Iterator[Any]:
-        synced = False
-        while queue:
-            command = queue.popleft()
-            command()
-            synced = synced or command == sync
-        if synced:
-            yield from psycopg.generators.send(pgconn)
-
-    pipeline._communicate_gen = communicate  # type: ignore[method-assign,assignment]
-
-
-def prefix_lock_key(schema: str, prefix: str) -> str:
-    """The advisory lock a prefix's commands take. Advisory locks are one namespace per
-    database: the schema is in the key, or two queues in one database (staging and
-    production, two test runs) would wait on each other's prefixes."""
-    return f"qq:{schema}:{prefix}"
-
-
-def _scalar(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] = ()) -> Any:
-    row = conn.execute(query, params).fetchone()
-    return None if row is None else row[0]
-
-
-def _answered_xid(*cursors: Rows | None) -> int | None:
-    """The transaction id one of these writes returned (`RETURNING txid_current()`), if
-    its answer is in already (a pipelined write's comes with the next read, or with the
-    pipeline's end): asking for it would cost a round trip."""
-    for cursor in cursors:
-        if cursor is not None and cursor.pgresult is not None:
-            row = cursor.fetchone()
-            if row is not None:
-                return int(row[0])
-    return None
 
 
 def _answered_by_the_ack(key: QueueKey, event: AckEvent) -> ResultResponse | None:
@@ -236,707 +113,6 @@ def _answered_by_the_ack(key: QueueKey, event: AckEvent) -> ResultResponse | Non
             external_id=event.external_id,
         )
     return None
-
-
-class _Redo(BaseException):
-    """A command failed after writing in a batch run without savepoints: the batch is
-    rolled back and run again, each command in a savepoint of its own (`batched`). A
-    BaseException: no command's or server's error handling may take it for an answer."""
-
-
-class _Disconnected(StoreError):
-    """The connection broke before COMMIT was sent: the command had no effect."""
-
-
-class _Known(CountChanges):
-    """What a transaction has read of the prefixes it holds locked, kept as it writes:
-    their counts (`CountChanges`, written once per prefix as the transaction commits:
-    `flush`) and their active items (id, key), by id. Nobody else changes them while the
-    lock is held, so a second read within the transaction (RETRIEVE's active list after
-    it activates, the next command of a batch) costs no statement."""
-
-    __slots__ = ("active",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active: dict[str, list[tuple[int, str]]] = {}
-
-    def copy(self) -> _Known:
-        known = _Known()
-        known.counts, known.deltas = self.keep()
-        known.active = {prefix: list(rows) for prefix, rows in self.active.items()}
-        return known
-
-    def flush(self, conn: Executor) -> Rows | None:
-        """Write the counts' changes: before COMMIT, and before a read of the table.
-        Returns the last upsert, which returns the transaction's id (`_answered_xid`)."""
-        cursor = None
-        for params in self.take_changes():
-            cursor = conn.execute(
-                "INSERT INTO prefix_counts AS c (prefix, pending, active) VALUES (%s, %s, %s)"
-                " ON CONFLICT (prefix) DO UPDATE SET pending = c.pending + excluded.pending,"
-                " active = c.active + excluded.active RETURNING txid_current()",
-                params,
-            )
-        return cursor
-
-    def locked(self, prefix: str, row: tuple[Any, ...]) -> None:
-        """What `lock_prefix` read as it took the lock (see schema.py)."""
-        self.stored(prefix, row[:2])
-        if row[2] is not None and prefix not in self.active:
-            self.active[prefix] = [(int(i), str(k)) for i, k in zip(row[2], row[3], strict=True)]
-
-    def activated(self, item: Item) -> None:
-        rows = self.active.get(item.prefix)
-        if rows is not None:
-            bisect.insort(rows, (item.id, item.key))
-
-    def removed(self, item: Item) -> None:
-        rows = self.active.get(item.prefix)
-        if rows is not None and (item.id, item.key) in rows:
-            rows.remove((item.id, item.key))
-
-
-class _Ending:
-    """How far a transaction got towards its COMMIT, and its id if it wrote: a COMMIT
-    whose answer is lost is looked up by it (`txid_status`)."""
-
-    __slots__ = ("committing", "xid")
-
-    def __init__(self) -> None:
-        self.xid: int | None = None
-        self.committing = False
-
-    def commit_next(
-        self, conn: psycopg.Connection[Any], wrote: bool, xid: int | None = None
-    ) -> None:
-        """`xid`: known already (the counts' upsert returned it), no round trip for it."""
-        if xid is not None:
-            self.xid = xid
-        elif wrote:  # a read-only transaction costs no round trip for it
-            self.xid = _scalar(conn, "SELECT txid_current_if_assigned()")
-        self.committing = True
-
-
-class _Head:
-    """The head of a prefix's PENDING as one process sees it (the pool's retrieval, at
-    the end of a batch that freed a slot or added work), read with the batch's first
-    statements and kept up to date with the batch's own writes: under the prefix's lock
-    only this transaction changes the prefix's items, so the window read, less what the
-    batch activated or deleted, plus what it inserted pending, is what reading it again
-    would find. The retrieval then waits for no read of its own. A window that may have
-    lost a row it needs (it was read full, and shrank below what is asked) or whose rows
-    changed otherwise answers nothing, and the listing is read as it always was."""
-
-    __slots__ = ("cursor", "full", "limit", "prefix", "process_id", "rows", "valid")
-
-    def __init__(self, prefix: str, process_id: str | None, limit: int, cursor: Rows) -> None:
-        self.prefix, self.process_id, self.limit = prefix, process_id, limit
-        self.cursor: Rows | None = cursor
-        self.rows: list[Item] = []
-        self.full = False
-        self.valid = True
-
-    def _read(self) -> list[Item]:
-        cursor, self.cursor = self.cursor, None
-        if cursor is not None:
-            self.rows = [item_from_row(row) for row in cursor.fetchall()]
-            self.full = len(self.rows) >= self.limit
-        return self.rows
-
-    def sees(self, item: Item) -> bool:
-        return item.prefix == self.prefix and (
-            not item.exclusive or item.process_id == self.process_id
-        )
-
-    def inserted(self, item: Item) -> None:
-        if not self.valid or item.status != "pending" or not self.sees(item):
-            return
-        rows, order = self._read(), (-item.priority, item.id)
-        at = bisect.bisect([(-row.priority, row.id) for row in rows], order)
-        if at < len(rows) or not self.full:  # past a full window: in the part not read
-            rows.insert(at, item)
-
-    def gone(self, item: Item) -> None:
-        """Activated or deleted: no longer pending."""
-        if self.valid and self.sees(item):
-            self.rows = [row for row in self._read() if row.id != item.id]
-
-    def changed(self, item: Item) -> None:
-        """A write to a row the window may hold, other than `gone`'s."""
-        if self.valid and self.sees(item) and any(r.id == item.id for r in self._read()):
-            self.valid = False
-
-    def drop(self) -> None:
-        self.valid, self.cursor, self.rows = False, None, []
-
-    def head(self, prefix: str, process_id: str | None, limit: int) -> list[Item] | None:
-        if not self.valid or (prefix, process_id) != (self.prefix, self.process_id):
-            return None
-        rows = self._read()
-        if self.full and len(rows) < limit:
-            return None
-        return rows[:limit]
-
-
-@dataclass(slots=True)
-class _AddReads:
-    """An ADD's reads as sent (`_send_add_reads`): what they asked, and their answers."""
-
-    external_id: str | None
-    since: int | None
-    cursors: dict[tuple[Any, ...], Rows]
-
-
-def _send_add_reads(
-    execute: Callable[..., Rows],
-    prefix: str,
-    key: str,
-    external_id: str | None,
-    result_since: int | None,
-) -> _AddReads:
-    """The reads an ADD of `prefix:key` may make, and the id it takes if it will insert,
-    sent without waiting for their answers; keyed as `PostgresTransaction._read_ahead`
-    asks for them (the result's by the path alone: `latest_result_by_path` checks that it
-    still holds at its own time)."""
-    path = f"{prefix}:{key}"
-    cursors: dict[tuple[Any, ...], Rows] = {("find", path): execute(_FIND_BY_PATH, (prefix, key))}
-    if external_id is not None:
-        cursors["external_id", external_id] = execute(_EXTERNAL_ID_TAKEN, (external_id,))
-    if result_since is not None:
-        cursors["result", path] = execute(_LATEST_RESULT_BY_PATH, (path, result_since))
-    cursors["id", path] = execute(
-        _ID_IF_INSERTED,
-        {
-            "prefix": prefix,
-            "key": key,
-            "path": path,
-            "external_id": external_id,
-            "since": result_since,
-        },
-    )
-    return _AddReads(external_id, result_since, cursors)
-
-
-class _Batch:
-    """A group commit in progress on one thread's connection: the prefixes whose lock it
-    holds (taken by commands that committed into it) and what it knows of them, whether
-    it wrote, and what broke it, if anything (then none of it commits).
-
-    `pipelined`: its first run (see `PostgresQueueStore._pipelined`), without savepoints;
-    psycopg's idea of the transaction's state is stale in a pipeline, so the batch says
-    itself whether a command of it has been kept yet (`kept`)."""
-
-    __slots__ = (
-        "adds",
-        "ahead",
-        "committing",
-        "conn",
-        "expected",
-        "failure",
-        "foreseen",
-        "head",
-        "kept",
-        "known",
-        "lean",
-        "locked",
-        "pipelined",
-        "prefix",
-        "retrieval",
-        "savepoint",
-        "wrote",
-        "xid",
-        "xid_cursors",
-    )
-
-    def __init__(
-        self, conn: psycopg.Connection[Any], prefix: str | None, *, pipelined: bool = False
-    ) -> None:
-        self.conn = conn
-        self.committing: list[Callable[[], object]] = []  # `before_commit`
-        self.prefix = prefix  # locked by the command that opens the transaction
-        self.pipelined = pipelined
-        self.locked: set[str] = set()
-        self.known = _Known()
-        self.wrote = False
-        self.kept = False
-        self.xid: int | None = None
-        self.xid_cursors: list[Rows | None] = []
-        self.failure: StoreError | None = None
-        self.savepoint = False  # a command's savepoint is open
-        # Items its commands will ask for by id (`PostgresQueueStore.expect`): read with
-        # the batch's first statements, after its prefix's lock (`foreseen`, by id).
-        self.expected: list[int] = []
-        self.foreseen: dict[int, Rows] = {}
-        # Its ADDs whose reads go with its first statements too (ahead.py), and, sent, those
-        # reads by path, until the ADD of the path takes them (`expect_add`).
-        self.adds: list[AddAhead] = []
-        self.ahead: dict[str, _AddReads] = {}
-        # How its statements are sent while pipelined (lean.py); None: psycopg's execute.
-        self.lean: Lean | None = None
-        # The pool's retrieval it will likely make (`PostgresQueueStore.expect_retrieval`):
-        # (prefix, process id, rows), its head read ahead too (`head`).
-        self.retrieval: tuple[str, str | None, int] | None = None
-        self.head: _Head | None = None
-
-    def answered_xid(self) -> int | None:
-        """The transaction's id, if a read or a write's answer gave it already."""
-        return self.xid if self.xid is not None else _answered_xid(*self.xid_cursors)
-
-
-class PostgresTransaction:
-    def __init__(
-        self,
-        conn: psycopg.Connection[Any],
-        channel: str | None,
-        schema: str,
-        locked: set[str] | None = None,
-        known: _Known | None = None,
-        origin: str = "",
-        *,
-        pipelined: bool = False,
-        foreseen: dict[int, Rows] | None = None,
-        head: _Head | None = None,
-        executor: Executor | None = None,
-        batch_ahead: dict[str, _AddReads] | None = None,
-    ) -> None:
-        self._conn = conn
-        # Where its statements go: the connection, or a pipelined batch's Lean.
-        self._c: Executor = executor if executor is not None else conn
-        self._pipelined = pipelined
-        # Where an ACK's NOTIFY goes; None: no other host listens (none is sent).
-        self._channel = channel
-        self._origin = origin
-        self._schema = schema
-        self._locked: set[str] = set(locked or ())
-        self.known = known.copy() if known is not None else _Known()
-        self.wrote = False
-        # The transaction's id, as a write returned it (a COMMIT whose answer is lost is
-        # looked up by it); or the writes that return it, answered or not yet.
-        self.xid: int | None = None
-        self.xid_cursors: list[Rows] = []
-        # Locks taken in a pipeline whose answer (what `lock_prefix` read) is not read
-        # yet: it comes with the next statement whose answer is (`_settle`).
-        self._unsettled: list[tuple[str, Rows]] = []
-        # Reads sent ahead of the command that reads them (`expect_add`), by what they ask.
-        self._ahead: dict[tuple[Any, ...], Rows] = {}
-        # The batch's ADDs' reads sent with its first statements (ahead.py), by path.
-        self._batch_ahead = batch_ahead if batch_ahead is not None else {}
-        # The time the result read ahead was read for (`latest_result_by_path`).
-        self._result_since: int | None = None
-        # Items whose NOTIFY went with their result's INSERT (`insert_result`).
-        self._notified: set[int] = set()
-        # The batch's reads of items by id, sent ahead (`_Batch.foreseen`): shared by its
-        # commands, each dropped once a command changes its item (it would be stale).
-        self._foreseen = foreseen if foreseen is not None else {}
-        self._head = head
-
-    def _write_item(
-        self, item: Item, query: str, params: tuple[Any, ...], *, pending: bool = True
-    ) -> Rows:
-        """A write to `item`'s row: what the batch read of it ahead is stale from now on.
-        `pending`: it stays pending if it was (else the head's `gone` follows)."""
-        self._foreseen.pop(item.id, None)
-        if self._head is not None:
-            if pending:
-                self._head.changed(item)
-            else:
-                self._head.gone(item)
-        return self._write(query, params)
-
-    def _write(self, query: str, params: tuple[Any, ...] = ()) -> Rows:
-        """A statement that changes data: the transaction then has an id to look up
-        should its COMMIT's answer be lost (see `PostgresQueueStore._atomic`)."""
-        self.wrote = True
-        return self._c.execute(query, params)
-
-    def _one(self, query: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
-        row: tuple[Any, ...] | None = self._c.execute(query, params).fetchone()
-        return row
-
-    def _all(self, query: str, params: tuple[Any, ...] | list[Any] = ()) -> list[tuple[Any, ...]]:
-        rows: list[tuple[Any, ...]] = self._c.execute(query, params).fetchall()
-        return rows
-
-    def lock(self, prefix: str) -> None:
-        """Serialize this transaction with every other one on `prefix`, on every host."""
-        if prefix not in self._locked:
-            # With what every command reads next under it: no statement of its own for it.
-            cursor = self._c.execute(
-                "SELECT * FROM lock_prefix(%s, %s, %s)",
-                (prefix_lock_key(self._schema, prefix), prefix, ACTIVE_PREFETCH),
-            )
-            self._locked.add(prefix)
-            self._unsettled.append((prefix, cursor))
-            if not self._pipelined:
-                self._settle()
-
-    def _settle(self) -> None:
-        """What the locks taken read, into `known`: before it is read or changed (it
-        counts what this transaction changes from what they read)."""
-        unsettled, self._unsettled = self._unsettled, []
-        for prefix, cursor in unsettled:
-            row = cursor.fetchone()
-            assert row is not None
-            self.known.locked(prefix, row)
-
-    # -- items ------------------------------------------------------------------------
-
-    def expect_add(self, item: Item, result_since: int | None) -> None:
-        """A pipelined batch's ADD sends its reads together, with its lock, and the id it
-        takes if it inserts (`_ID_IF_INSERTED`): one round trip for all of them, and its
-        INSERT waits for nothing (an idle ADD waited four times: its find, the path's
-        result, its INSERT's id, the batch's end; now twice). A read the ADD does not make
-        (it joined the item found) was for nothing. Sent with the batch's first
-        statements already (ahead.py), they are taken from there: the batch waits once
-        for all its ADDs' reads, not once an ADD."""
-        if not self._pipelined:
-            return  # run guarded, each read waits for its answer as it comes
-        self.lock(item.prefix)
-        reads = self._batch_ahead.pop(item.path, None)
-        if reads is not None and (
-            reads.external_id != item.external_id or (reads.since is None) != (result_since is None)
-        ):
-            # Not the ADD the batch was told of: it reads in its turn, and so do the next
-            # ones (the id it takes now must not come after theirs).
-            self._batch_ahead.clear()
-            reads = None
-        if reads is None:
-            reads = _send_add_reads(
-                self._c.execute, item.prefix, item.key, item.external_id, result_since
-            )
-        self._ahead.update(reads.cursors)
-        self._result_since = reads.since
-
-    def _read_ahead(self, *asked: Any) -> tuple[bool, tuple[Any, ...] | None]:
-        """(True, its row) when `asked` was sent ahead; (False, None) when it was not."""
-        cursor = self._ahead.pop(asked, None)
-        if cursor is None:
-            return False, None
-        return True, cursor.fetchone()
-
-    def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
-        columns = ITEM_COLUMNS + (", payload" if with_payload else "") + ", txid_current()"
-        if isinstance(key, int):
-            cursor = None if with_payload else self._foreseen.pop(key, None)
-            if cursor is not None:
-                row = cursor.fetchone()
-                if row is not None:
-                    return self._found(row)
-            if self._locked:  # an item of a prefix this transaction holds: one statement
-                row = self._one(
-                    f"SELECT {columns} FROM items WHERE id = %s AND prefix = ANY(%s) FOR UPDATE",
-                    (key, list(self._locked)),
-                )
-                if row is not None:
-                    return self._found(row)
-            # Items never change prefix: read it unlocked, lock the prefix, then the row.
-            found = self._one("SELECT prefix FROM items WHERE id = %s", (key,))
-            if found is None:
-                return None
-            self.lock(found[0])
-            row = self._one(f"SELECT {columns} FROM items WHERE id = %s FOR UPDATE", (key,))
-        else:
-            prefix, _, name = key.rpartition(":")
-            self.lock(prefix)
-            sent, row = (False, None) if with_payload else self._read_ahead("find", key)
-            if not sent:
-                query = (
-                    f"SELECT {columns} FROM items WHERE prefix = %s AND key = %s FOR UPDATE"
-                    if with_payload
-                    else _FIND_BY_PATH
-                )
-                row = self._one(query, (prefix, name))
-        return None if row is None else self._found(row)
-
-    def _found(self, row: tuple[Any, ...]) -> Item:
-        if self.xid is None:
-            self.xid = int(row[-1])
-        return item_from_row(row[:-1])
-
-    def external_id_taken(self, external_id: str) -> bool:
-        sent, row = self._read_ahead("external_id", external_id)
-        if not sent:
-            row = self._one(_EXTERNAL_ID_TAKEN, (external_id,))
-        return row is not None
-
-    def insert(self, item: Item) -> QueueId:
-        self.lock(item.prefix)
-        # A savepoint only where a conflict can happen (an external id, unique across
-        # prefixes, so not covered by the prefix lock): it leaves the command usable. Not
-        # in a pipelined batch: a conflict there runs the batch again, guarded (_Redo).
-        savepoint = (
-            self._conn.transaction()
-            if item.external_id is not None and not self._pipelined
-            else _NO_SAVEPOINT
-        )
-        self.wrote = True
-        values = inserted_values(item)
-        _, row = self._read_ahead("id", item.path)
-        try:
-            with savepoint:
-                if row is not None and row[0] is not None:
-                    # Its id taken with its reads: nothing to wait for. Refused (its external
-                    # id taken on another host meanwhile), the pipeline fails, and the batch
-                    # runs again guarded, where the INSERT below says so.
-                    self._c.execute(_INSERT_ITEM_WITH_ID, (*values, row[0]))
-                else:
-                    row = self._one(_INSERT_ITEM, values)
-        except psycopg.errors.UniqueViolation as exc:
-            # The path is locked by prefix, so only an external id of another prefix's
-            # item, taken meanwhile on another host, gets here.
-            raise ExternalIdConflictError(
-                f"external id {item.external_id!r} is already used by another queued item"
-            ) from exc
-        assert row is not None
-        self.xid = int(row[1])
-        if self._head is not None:
-            self._head.inserted(replace(item, id=int(row[0])))
-        if item.status == "pending":
-            self._count(item.prefix, 1, 0)
-        else:
-            self._count(item.prefix, 0, 1)
-            self.known.activated(replace(item, id=int(row[0])))
-        return int(row[0])
-
-    def _count(self, prefix: str, pending: int, active: int) -> None:
-        self._settle()
-        self.wrote = True  # written as the transaction commits (`_Known.flush`)
-        self.known.count(prefix, pending, active)
-
-    def activate(self, item: Item, now: int, extra: str | None) -> None:
-        self._settle()
-        self._write_item(
-            item,
-            "UPDATE items SET status = %s, heartbeat = %s, extra = %s WHERE id = %s",
-            (ACTIVE, now, extra, item.id),
-            pending=False,
-        )
-        self._count(item.prefix, -1, 1)
-        self.known.activated(item)
-
-    def set_heartbeat(self, item: Item, now: int) -> None:
-        self._write_item(item, "UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
-
-    def set_orphaned(self, item: Item, deadline: int) -> None:
-        self._write_item(item, "UPDATE items SET orphaned = %s WHERE id = %s", (deadline, item.id))
-
-    def set_extra(self, item: Item, extra: str | None) -> None:
-        self._write_item(item, "UPDATE items SET extra = %s WHERE id = %s", (extra, item.id))
-
-    def delete(self, item: Item) -> None:
-        self._settle()
-        cursor = self._write_item(
-            item,
-            "DELETE FROM items WHERE id = %s RETURNING txid_current()",
-            (item.id,),
-            pending=False,
-        )
-        if self.xid is None:
-            self.xid_cursors.append(cursor)
-        if item.status == "pending":
-            self._count(item.prefix, -1, 0)
-        else:
-            self._count(item.prefix, 0, -1)
-            self.known.removed(item)
-
-    def counts(self, prefix: str) -> tuple[int, int]:
-        self.lock(prefix)
-        self._settle()
-        known = self.known.counts.get(prefix)
-        if known is None:
-            row = self._one(
-                "SELECT pending, active FROM prefix_counts WHERE prefix = %s", (prefix,)
-            )
-            known = self.known.stored(prefix, row)
-        return known
-
-    def active_keys(self, prefix: str) -> list[str]:
-        self.lock(prefix)
-        self._settle()
-        rows = self.known.active.get(prefix)
-        if rows is None:
-            rows = self.known.active[prefix] = [
-                (int(row[0]), str(row[1]))
-                for row in self._all(
-                    "SELECT id, key FROM items WHERE prefix = %s AND status = %s ORDER BY id",
-                    (prefix, ACTIVE),
-                )
-            ]
-        return [key for _, key in rows]
-
-    def items(
-        self,
-        prefix: str,
-        status: ItemStatus | None,
-        *,
-        process_id: str | None,
-        with_payload: bool,
-        limit: int | None,
-    ) -> list[Item]:
-        if self._head is not None and status == "pending" and with_payload and limit:
-            head = self._head.head(prefix, process_id, limit)
-            if head is not None:
-                return head
-        columns = ITEM_COLUMNS + (", payload" if with_payload else "")
-        where = "prefix = %s AND (NOT exclusive OR process_id IS NOT DISTINCT FROM %s)"
-        params: list[Any] = [prefix, process_id]
-        if status is not None:
-            where += " AND status = %s"
-            params.append(STATUS_CODE[status])
-        order = "id" if status == "active" else "priority DESC, id"
-        query = f"SELECT {columns} FROM items WHERE {where} ORDER BY {order}"
-        if limit is not None:
-            query += " LIMIT %s"
-            params.append(limit)
-        return [item_from_row(row) for row in self._all(query, params)]
-
-    def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
-        rows = self._all(
-            f"SELECT {ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
-            " AND (orphaned < %s OR (orphaned IS NULL AND created < %s))"
-            " ORDER BY priority DESC, id",
-            (prefix, PENDING, now, now - orphaned_timeout_ms),
-        )
-        return [item_from_row(row) for row in rows]
-
-    def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
-        rows = self._all(
-            f"SELECT {ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
-            " AND coalesce(heartbeat, created) < %s ORDER BY id",
-            (prefix, ACTIVE, now - heartbeat_timeout_ms),
-        )
-        return [item_from_row(row) for row in rows]
-
-    # -- results ------------------------------------------------------------------------
-
-    def insert_result(self, result: StoredResult) -> None:
-        # A result is only ever inserted as its item is completed (an ACK, or a CANCEL
-        # with a result), which then notifies the other hosts listening (`acked`): the
-        # NOTIFY rides on this INSERT, one statement (a round of psycopg and a backend
-        # wake-up) fewer; with none listening, there is none.
-        values = (
-            result.id,
-            result.path,
-            result.value,
-            result.deleted,
-            result.expire,
-            result.external_id,
-            result.consumed_by,
-        )
-        if self._channel is None:
-            self._write(_INSERT_RESULT, values)
-            return
-        self._notified.add(result.id)
-        self._write(
-            f"WITH stored AS ({_INSERT_RESULT}) SELECT pg_notify(%s, %s)",
-            (
-                *values,
-                self._channel,
-                self._note(result.id, result.path, False, result.external_id),
-            ),
-        )
-
-    def result_by_id(self, id: QueueId, now: int) -> StoredResult | None:
-        return result_from_row(
-            self._one(
-                f"SELECT {RESULT_COLUMNS} FROM results WHERE id = %s AND expire > %s"
-                " AND NOT taken FOR UPDATE",
-                (id, now),
-            )
-        )
-
-    def latest_result_by_path(self, path: str, now: int) -> StoredResult | None:
-        since, sent, row = self._result_since, False, None
-        if since is not None:
-            sent, row = self._read_ahead("result", path)
-            # Read ahead as of `since` (the batch's start, at most now): the path's latest
-            # result unexpired then is its latest now too if it still is, and none then is
-            # none now. One that expired between is read again, and so are the next ADDs'
-            # reads: the id read ahead with it may not be the one this ADD needs (it may
-            # insert in its turn, after the ids the next ones took: they leave theirs
-            # unused).
-            if sent and (since > now or (row is not None and row[_RESULT_EXPIRE] <= now)):
-                self._batch_ahead.clear()
-                sent = False
-        if not sent:
-            row = self._one(_LATEST_RESULT_BY_PATH, (path, now))
-        return result_from_row(row)
-
-    def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None:
-        return result_from_row(
-            self._one(
-                f"SELECT {RESULT_COLUMNS} FROM results WHERE external_id = %s AND expire > %s"
-                " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE",
-                (external_id, now),
-            )
-        )
-
-    def mark_result_consumed(self, id: QueueId, consumer: str | None = None) -> None:
-        self._write(
-            "UPDATE results SET deleted = true, consumed_by = %s WHERE id = %s AND NOT deleted",
-            (consumer, id),
-        )
-
-    def delete_result(self, id: QueueId) -> None:
-        # Taken rather than deleted: gone for every read, but the waiters of other hosts,
-        # woken by the same ACK, can still fetch it (see `fetch_acked`) until it expires.
-        self._write("UPDATE results SET deleted = true, taken = true WHERE id = %s", (id,))
-
-    def fetch_acked(self, id: QueueId, now: int) -> str | None:
-        row = self._one("SELECT value FROM results WHERE id = %s AND expire > %s", (id, now))
-        return None if row is None else str(row[0])
-
-    def purge_expired_results(self, now: int, limit: int) -> int:
-        # A bounded batch, skipping rows another host is purging: never a long lock.
-        # Counted by the statement: a pipelined write has no row count to read yet.
-        row = self._write(
-            "WITH gone AS (DELETE FROM results WHERE id IN (SELECT id FROM results"
-            " WHERE expire <= %s LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING 1)"
-            " SELECT count(*) FROM gone",
-            (now, limit),
-        ).fetchone()
-        return 0 if row is None else int(row[0])
-
-    def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
-        self.known.flush(self._c)
-        oldest = dict(self._all("SELECT prefix, min(created) FROM items GROUP BY prefix"))
-        found = [
-            PrefixOverview(prefix, pending, active, oldest.get(prefix))
-            for prefix, pending, active in self._all(
-                "SELECT prefix, pending, active FROM prefix_counts"
-                " WHERE pending > 0 OR active > 0 ORDER BY prefix"
-            )
-        ]
-        row = self._one("SELECT count(*) FROM results WHERE expire > %s", (now,))
-        return found, int(row[0]) if row else 0
-
-    def refresh_active_heartbeats(self, now: int) -> int:
-        self._foreseen.clear()
-        cursor = self._write("UPDATE items SET heartbeat = %s WHERE status = %s", (now, ACTIVE))
-        return cursor.rowcount
-
-    def truncate(self) -> None:
-        self._settle()
-        self._foreseen.clear()
-        if self._head is not None:
-            self._head.drop()
-        self.known = _Known()
-        # DELETE rather than TRUNCATE: the identity keeps counting, ids are never reused.
-        self._write("DELETE FROM items")
-        self._write("DELETE FROM results")
-        self._write("DELETE FROM prefix_counts")
-
-    def acked(self, item: Item, result: str | None) -> None:
-        # Delivered when this transaction commits, to every host listening.
-        if item.id in self._notified or self._channel is None:
-            return  # with its result's INSERT, or nobody else listens
-        note = self._note(item.id, item.path, result is None, item.external_id)
-        self._write("SELECT pg_notify(%s, %s)", (self._channel, note))
-
-    def _note(self, id: QueueId, path: str, null: bool, external_id: str | None) -> str:
-        note = {"id": id, "path": path, "null": null, "ext": external_id, "from": self._origin}
-        return orjson.dumps(note).decode()
 
 
 class PostgresQueueStore(QueueStore):
@@ -1098,10 +274,10 @@ class PostgresQueueStore(QueueStore):
             yield
             return
         conn = self._connection()
-        batch = _Batch(conn, prefix, pipelined=not getattr(self._local, "guarded", True))
+        batch = Batch(conn, prefix, pipelined=not getattr(self._local, "guarded", True))
         effects: list[Callable[[], object]] = []
         self._local.batch, self._local.effects = batch, effects
-        ending = _Ending()
+        ending = Ending()
         try:
             with self._ended(conn, ending):
                 with self._pipelined(batch):
@@ -1133,7 +309,7 @@ class PostgresQueueStore(QueueStore):
         for effect in effects:  # decide, then act: only what has committed is told
             effect()
 
-    def _saw_pending(self, known: _Known) -> None:
+    def _saw_pending(self, known: Known) -> None:
         """A committed batch's counts: whether each prefix it read has anything pending."""
         for prefix, (pending, _) in known.counts.items():
             if pending == 0:
@@ -1145,14 +321,14 @@ class PostgresQueueStore(QueueStore):
         return prefix in self._none_pending
 
     def before_commit(self, callback: Callable[[], object]) -> None:
-        batch: _Batch | None = getattr(self._local, "batch", None)
+        batch: Batch | None = getattr(self._local, "batch", None)
         if batch is not None:
             batch.committing.append(callback)
 
     @staticmethod
-    def _committing(batch: _Batch) -> None:
+    def _committing(batch: Batch) -> None:
         """`before_commit`'s callbacks. In a pipelined batch its writes' answers are not
-        in yet either: one refused there has the batch run again (`_Redo`), which calls
+        in yet either: one refused there has the batch run again (`Redo`), which calls
         its own; what they started for nothing finds its item gone (an ACK of nothing)."""
         callbacks, batch.committing = batch.committing, []
         call_before_commit(callbacks)
@@ -1167,7 +343,7 @@ class PostgresQueueStore(QueueStore):
             self._local.deferred = None
 
     @staticmethod
-    def _leave_clean(conn: psycopg.Connection[Any], batch: _Batch) -> None:
+    def _leave_clean(conn: psycopg.Connection[Any], batch: Batch) -> None:
         """A connection the batch could not leave idle and out of autocommit (a pipeline
         cut short by a dying server may be left in any state) is closed, not reused: the
         next command gets a fresh one."""
@@ -1182,12 +358,12 @@ class PostgresQueueStore(QueueStore):
             conn.close()
 
     @contextmanager
-    def _pipelined(self, batch: _Batch) -> Iterator[None]:
+    def _pipelined(self, batch: Batch) -> Iterator[None]:
         """A batch's first run (`batched`) sends its statements without waiting for those
         whose answer it does not read (its writes, and its BEGIN): a read waits for all
         before it, the pipeline's end (one round trip, before COMMIT) for what is left.
         Refused there, a statement has the batch run again, guarded and unpipelined
-        (`_Redo`), where it is its own command's error. The BEGIN is the batch's own
+        (`Redo`), where it is its own command's error. The BEGIN is the batch's own
         (psycopg's would wait for its answer): in autocommit mode until it ends."""
         if not batch.pipelined:
             yield
@@ -1197,7 +373,7 @@ class PostgresQueueStore(QueueStore):
         pipeline = conn.pipeline()
         with self._watchdog.watching(conn):
             pipeline.__enter__()
-            _flush_when_read(conn)
+            flush_when_read(conn)
             batch.lean = self._statements.lean(conn)
             try:
                 # Through the lean path where it can: psycopg's cursor for a BEGIN and a
@@ -1219,10 +395,10 @@ class PostgresQueueStore(QueueStore):
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise  # the batch changed nothing: it runs again whole (`_ended`)
-            raise _Redo from exc
+            raise Redo from exc
 
     @staticmethod
-    def _commit_in_pipeline(batch: _Batch, ending: _Ending) -> None:
+    def _commit_in_pipeline(batch: Batch, ending: Ending) -> None:
         """COMMIT with the pipeline's end, one round trip for both, when the transaction's
         id is known already or it wrote nothing (else COMMIT follows: the id, looked up
         should COMMIT's answer be lost, comes with the pipeline's end)."""
@@ -1233,23 +409,23 @@ class PostgresQueueStore(QueueStore):
         (batch.lean or batch.conn).execute("COMMIT")
 
     def _pipelined_failure(
-        self, batch: _Batch, tx: PostgresTransaction, exc: BaseException
+        self, batch: Batch, tx: PostgresTransaction, exc: BaseException
     ) -> BaseException:
         """What a command of a pipelined batch that failed raises. One that wrote, or
-        that the database refused, has the batch run again, guarded (`_Redo`): it cannot
+        that the database refused, has the batch run again, guarded (`Redo`): it cannot
         be undone alone, and the refusal may be an earlier command's. But when nothing of
         the batch is kept yet, a refusal (a lock timeout) is rolled back and the batch
         begins again, as a guarded batch's first command would: run again, it would only
         wait out the same lock."""
         conn = batch.conn
         if isinstance(exc, psycopg.OperationalError) and (
-            self._watchdog.abandoned(conn) or _gone(conn, exc)
+            self._watchdog.abandoned(conn) or gone(conn, exc)
         ):
             return self._broken(batch, exc)
         if not isinstance(exc, psycopg.Error):
-            return _Redo() if tx.wrote else exc
+            return Redo() if tx.wrote else exc
         if batch.kept or tx.wrote:
-            return _Redo()
+            return Redo()
         batch.foreseen.clear()  # read under the lock the rollback lets go
         batch.ahead.clear()
         if batch.head is not None:
@@ -1272,7 +448,7 @@ class PostgresQueueStore(QueueStore):
         that come before anything that could change what they read (ahead.py): their
         items, and the ADDs' reads, go with the batch's first statements, so the batch
         waits for all of them at once, not once per ACK or ADD."""
-        batch: _Batch | None = getattr(self._local, "batch", None)
+        batch: Batch | None = getattr(self._local, "batch", None)
         if batch is None or not batch.pipelined or batch.prefix is None:
             return
         commands = list(commands)
@@ -1286,19 +462,19 @@ class PostgresQueueStore(QueueStore):
     def expect_retrieval(self, prefix: str, process_id: str | None, limit: int) -> None:
         """The pool's retrieval this pipelined batch of `prefix` will likely make (its
         slot freed or work added): the head of PENDING is read with its first statements
-        (`_Head`), not after its commands, where it cost a round trip of its own."""
-        batch: _Batch | None = getattr(self._local, "batch", None)
+        (`Head`), not after its commands, where it cost a round trip of its own."""
+        batch: Batch | None = getattr(self._local, "batch", None)
         if batch is not None and batch.pipelined and batch.prefix == prefix:
             batch.retrieval = (prefix, process_id, limit)
 
-    def _send_expected(self, batch: _Batch) -> None:
+    def _send_expected(self, batch: Batch) -> None:
         """`expect`'s reads, after the batch's prefix lock (rows are locked after it, as
         every transaction does, or two could wait on each other)."""
         expected, batch.expected = batch.expected, []
         execute = (batch.lean or batch.conn).execute
         for id in expected:
             if id not in batch.foreseen:
-                batch.foreseen[id] = execute(_FIND_BY_ID_IN_PREFIX, (id, batch.prefix))
+                batch.foreseen[id] = execute(FIND_BY_ID_IN_PREFIX, (id, batch.prefix))
         retrieval, batch.retrieval = batch.retrieval, None
         if retrieval is not None and batch.head is None:
             prefix, process_id, limit = retrieval
@@ -1310,17 +486,17 @@ class PostgresQueueStore(QueueStore):
                 " ORDER BY priority DESC, id LIMIT %s",
                 (prefix, PENDING, process_id, window),
             )
-            batch.head = _Head(prefix, process_id, window, cursor)
+            batch.head = Head(prefix, process_id, window, cursor)
         adds, batch.adds = batch.adds, []
         if adds:
             now = self.clock.now_ms()
             for add in adds:
-                batch.ahead[add.path] = _send_add_reads(
+                batch.ahead[add.path] = send_add_reads(
                     execute, add.prefix, add.key, add.external_id, now if add.if_no_result else None
                 )
 
     @contextmanager
-    def _command_in(self, batch: _Batch) -> Iterator[PostgresTransaction]:
+    def _command_in(self, batch: Batch) -> Iterator[PostgresTransaction]:
         """One command of a batch. Its effects join the batch's once it has succeeded."""
         if batch.failure is not None:
             raise batch.failure
@@ -1350,7 +526,7 @@ class PostgresQueueStore(QueueStore):
                     if not (first or pipelined):
                         # The last command's savepoint released and this one's taken in
                         # one round trip (psycopg's own savepoint blocks take two).
-                        conn.execute(_NEXT_SAVEPOINT if batch.savepoint else _SAVEPOINT)
+                        conn.execute(NEXT_SAVEPOINT if batch.savepoint else SAVEPOINT)
                         batch.savepoint = True
                     elif batch.prefix is not None:
                         tx.lock(batch.prefix)  # the batch's prefix, before any row
@@ -1358,7 +534,7 @@ class PostgresQueueStore(QueueStore):
                         tx._head = batch.head
                     yield tx
                 except BaseException as exc:
-                    if isinstance(exc, _Redo):
+                    if isinstance(exc, Redo):
                         raise
                     if pipelined:
                         failure = self._pipelined_failure(batch, tx, exc)
@@ -1370,7 +546,7 @@ class PostgresQueueStore(QueueStore):
                             conn.rollback()
                             batch.savepoint = False
                         elif not conn.broken:
-                            conn.execute(_UNDO_SAVEPOINT)
+                            conn.execute(UNDO_SAVEPOINT)
                     if isinstance(exc, psycopg.OperationalError):
                         raise self._broken(batch, exc) from exc
                     if isinstance(exc, psycopg.Error):
@@ -1386,7 +562,7 @@ class PostgresQueueStore(QueueStore):
         batch.wrote = batch.wrote or tx.wrote
         outer.extend(effects)
 
-    def _broken(self, batch: _Batch, exc: psycopg.OperationalError) -> StoreError:
+    def _broken(self, batch: Batch, exc: psycopg.OperationalError) -> StoreError:
         """The error a batch's command reports: its own (a lock or statement timeout), or,
         when its connection broke, what broke the batch (it is re-run whole)."""
         conn = batch.conn
@@ -1395,15 +571,15 @@ class PostgresQueueStore(QueueStore):
                 f"the queue database did not answer within the network timeout"
                 f" ({self.network_timeout:g} s): its connection was closed"
             )
-        elif _gone(conn, exc):
-            batch.failure = _Disconnected(f"the queue database went away: {exc}")
+        elif gone(conn, exc):
+            batch.failure = Disconnected(f"the queue database went away: {exc}")
         else:
             return StoreError(f"queue database: {exc}")
         return batch.failure
 
     @contextmanager
     def _atomic(self) -> Iterator[PostgresTransaction]:
-        batch: _Batch | None = getattr(self._local, "batch", None)
+        batch: Batch | None = getattr(self._local, "batch", None)
         if batch is not None:
             with self._command_in(batch) as tx:
                 yield tx
@@ -1411,20 +587,20 @@ class PostgresQueueStore(QueueStore):
         conn = self._connection()
         effects: list[Callable[[], object]] = []
         self._local.effects = effects
-        ending = _Ending()
+        ending = Ending()
         try:
             with self._watchdog.watching(conn), self._ended(conn, ending), conn.transaction():
                 tx = PostgresTransaction(conn, self._notifying(), self.schema, origin=self.origin)
                 yield tx
                 # Leaving the block sends COMMIT.
-                ending.commit_next(conn, tx.wrote, _answered_xid(tx.known.flush(conn)))
+                ending.commit_next(conn, tx.wrote, answered_xid(tx.known.flush(conn)))
         finally:
             self._local.effects = None
         for effect in effects:  # decide, then act: only what has committed is told
             effect()
 
     @contextmanager
-    def _ended(self, conn: psycopg.Connection[Any], ending: _Ending) -> Iterator[None]:
+    def _ended(self, conn: psycopg.Connection[Any], ending: Ending) -> Iterator[None]:
         """psycopg's errors as the store reports them; a connection lost during COMMIT is
         looked up by the transaction's id, and one that committed after all stands."""
         try:
@@ -1446,24 +622,24 @@ class PostgresQueueStore(QueueStore):
         self, conn: psycopg.Connection[Any], exc: Exception, xid: int | None, committing: bool
     ) -> bool:
         """The connection failed under a command: True if its COMMIT took effect anyway,
-        else the StoreError that says what happened is raised (a `_Disconnected` when
+        else the StoreError that says what happened is raised (a `Disconnected` when
         nothing did, so that the command runs again)."""
         if self._watchdog.abandoned(conn) and not committing:
             raise StoreError(
                 f"the queue database did not answer within the network timeout"
                 f" ({self.network_timeout:g} s): its connection was closed"
             ) from exc
-        if not _gone(conn, exc):
+        if not gone(conn, exc):
             raise StoreError(f"queue database: {exc}") from exc
         if not committing:
-            raise _Disconnected(f"the queue database went away: {exc}") from exc
+            raise Disconnected(f"the queue database went away: {exc}") from exc
         if xid is None:  # it wrote nothing: running it again changes nothing either
-            raise _Disconnected(f"the queue database went away: {exc}") from exc
+            raise Disconnected(f"the queue database went away: {exc}") from exc
         status = self._transaction_status(xid)
         if status == "committed":
             return True
         if status == "aborted":
-            raise _Disconnected(f"the queue database went away before COMMIT: {exc}") from exc
+            raise Disconnected(f"the queue database went away before COMMIT: {exc}") from exc
         raise StoreError(
             f"the queue database went away during COMMIT and the outcome is unknown: {exc}"
         ) from exc
@@ -1476,7 +652,7 @@ class PostgresQueueStore(QueueStore):
         delay = RECONNECT_BACKOFF
         while True:
             try:
-                status = _scalar(self._connection(), "SELECT txid_status(%s)", (xid,))
+                status = scalar(self._connection(), "SELECT txid_status(%s)", (xid,))
                 with contextlib.suppress(psycopg.Error):
                     self._local.conn.rollback()
                 if status != "in progress":  # its backend may still be finishing it
@@ -1509,7 +685,7 @@ class PostgresQueueStore(QueueStore):
         for attempt in range(RECONNECT_ATTEMPTS):
             try:
                 return command()
-            except _Disconnected as exc:
+            except Disconnected as exc:
                 last = exc
                 if attempt:  # the first retry at once: one broken connection is common
                     time.sleep(delay)
@@ -1522,7 +698,7 @@ class PostgresQueueStore(QueueStore):
         self, work: Callable[[], T], undo: Callable[[T], object], prefix: str | None = None
     ) -> T:
         """Run first without savepoints; a command that failed after writing (or that the
-        database refused) has the batch rolled back and run again with them (`_Redo`):
+        database refused) has the batch rolled back and run again with them (`Redo`):
         `work` undoes its own (its waiters) as it unwinds. A batch whose connection broke
         before its COMMIT changed nothing: it runs again whole."""
         once = super().batched
@@ -1531,7 +707,7 @@ class PostgresQueueStore(QueueStore):
             self._local.guarded = False
             try:
                 return once(work, undo, prefix)
-            except _Redo:
+            except Redo:
                 pass
             finally:
                 self._local.guarded = True

@@ -294,6 +294,7 @@ async def test_an_item_its_caller_abandoned_is_reaped_by_another_host(
 def test_a_connection_that_keeps_breaking_is_a_store_error_after_bounded_retries(
     schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from queryqueue.driver_postgres import batch as batch_module
     from queryqueue.driver_postgres import store as pg
 
     store = pg.PostgresQueueStore(URL, schema=schema)
@@ -302,7 +303,7 @@ def test_a_connection_that_keeps_breaking_is_a_store_error_after_bounded_retries
     def broken() -> object:
         nonlocal attempts
         attempts += 1
-        raise pg._Disconnected("server closed the connection unexpectedly")
+        raise batch_module.Disconnected("server closed the connection unexpectedly")
 
     monkeypatch.setattr(store, "_atomic", broken)
     try:
@@ -320,7 +321,8 @@ def test_queues_in_two_schemas_of_one_database_do_not_share_prefix_locks(schema:
     schema) must not hold up the same prefix of another queue in the same database."""
     import psycopg
 
-    from queryqueue.driver_postgres.store import PostgresQueueStore, prefix_lock_key
+    from queryqueue.driver_postgres.statements import prefix_lock_key
+    from queryqueue.driver_postgres.store import PostgresQueueStore
 
     other_schema = fresh_schema()
     store = PostgresQueueStore(URL, schema=schema, lock_timeout=1.0)
@@ -346,11 +348,12 @@ def test_a_commit_whose_answer_is_lost_is_looked_up_not_guessed(
     """The ACK's COMMIT reaches the server but its answer never comes back: the store
     asks the database what became of that transaction (txid_status) on a fresh
     connection, and reports the ACK done, rather than an unknown outcome."""
+    from queryqueue.driver_postgres import statements
     from queryqueue.driver_postgres import store as pg
 
     proxy = Proxy()
     store = pg.PostgresQueueStore(proxy.url, schema=schema, network_timeout=1.0)
-    real_scalar = pg._scalar
+    real_scalar = statements.scalar
 
     def lose_the_next_answer(conn: Any, query: str, params: tuple[Any, ...] = ()) -> Any:
         value = real_scalar(conn, query, params)
@@ -362,7 +365,7 @@ def test_a_commit_whose_answer_is_lost_is_looked_up_not_guessed(
         store.add("p:k", "{}")
         retrieved = store.retrieve("p:k", concurrency=1)
         assert retrieved is not None and retrieved.id is not None
-        monkeypatch.setattr(pg, "_scalar", lose_the_next_answer)
+        monkeypatch.setattr(pg, "scalar", lose_the_next_answer)
         ack = store.ack("p:k", '"done"')
         monkeypatch.undo()
         assert ack.success
@@ -380,10 +383,11 @@ async def test_a_waiter_is_woken_only_once_the_ack_has_committed(
 ) -> None:
     """The ACK's COMMIT is held back a moment: the waiter by path must not be told before
     it lands (it would take a row it cannot see yet, and the row would be read again)."""
+    from queryqueue.driver_postgres import statements
     from queryqueue.driver_postgres import store as pg
 
     store = pg.PostgresQueueStore(URL, schema=schema)
-    real_scalar = pg._scalar
+    real_scalar = statements.scalar
 
     def slow_commit(conn: Any, query: str, params: tuple[Any, ...] = ()) -> Any:
         value = real_scalar(conn, query, params)
@@ -397,7 +401,7 @@ async def test_a_waiter_is_woken_only_once_the_ack_has_committed(
         assert retrieved is not None and retrieved.id is not None
         waiter = asyncio.ensure_future(store.result_blocking("p:k", 10_000))
         await wait_until(lambda: store.waiters.count() == 1, within=10)
-        monkeypatch.setattr(pg, "_scalar", slow_commit)
+        monkeypatch.setattr(pg, "scalar", slow_commit)
         await store.run_off_loop(store.ack, "p:k", '"done"')
         found = await waiter
         assert found is not None and found.payload == '"done"'
@@ -412,7 +416,7 @@ async def test_a_lock_held_elsewhere_fails_after_the_lock_timeout_while_ping_ans
 ) -> None:
     import psycopg
 
-    from queryqueue.driver_postgres.store import prefix_lock_key
+    from queryqueue.driver_postgres.statements import prefix_lock_key
 
     host = _host(workdir, "a", schema, "--pg-lock-timeout", "5")
     driver = SocketQueueDriver(host.socket_path)
@@ -797,7 +801,7 @@ def test_a_database_error_in_a_batch_undoes_its_command_alone(
     """A command of a batch that the database refuses (here a statement that fails in
     the middle of HEARTBEAT) is rolled back to its savepoint: the commands before and
     after it commit, the batch's transaction is not left aborted."""
-    from queryqueue.driver_postgres.store import PostgresTransaction
+    from queryqueue.driver_postgres.transaction import PostgresTransaction
     from tests.postgres_util import postgres_store
 
     def failing(self: PostgresTransaction, item: Any, now: int) -> None:
@@ -934,7 +938,7 @@ def test_a_batch_that_does_not_fail_takes_no_savepoint_and_writes_counts_once(
     returns the transaction's id (no statement of its own for it). A command that fails
     after writing has the batch run again, each command in a savepoint of its own, and
     the counts stay true."""
-    from queryqueue.driver_postgres.store import PostgresTransaction
+    from queryqueue.driver_postgres.transaction import PostgresTransaction
     from tests.postgres_util import postgres_store
 
     store = postgres_store()
@@ -1461,7 +1465,7 @@ def test_a_conflict_in_a_pipelined_batch_is_its_commands_error_alone(
     host took it meanwhile, is refused by the database (the unique index): then the batch
     runs again guarded. Either way the conflict is that ADD's error alone, the others
     commit, the counts hold, and the connection is back out of autocommit."""
-    from queryqueue.driver_postgres.store import PostgresTransaction
+    from queryqueue.driver_postgres.transaction import PostgresTransaction
     from queryqueue.engine.errors import ExternalIdConflictError
     from tests.postgres_util import postgres_store
 
@@ -1670,6 +1674,7 @@ async def test_a_batch_run_again_after_its_early_hand_off_answers_and_leaves_not
     batch did not commit: it runs again (guarded), and its item, inserted again under
     another id, goes to the pool too. The first hand-off ran a query of nothing (its ACK
     found no item); the caller gets its answer, and nothing is left queued or held."""
+    from queryqueue.driver_postgres import batch as batch_module
     from queryqueue.driver_postgres import store as pg
     from tests.postgres_util import postgres_store
 
@@ -1680,7 +1685,7 @@ async def test_a_batch_run_again_after_its_early_hand_off_answers_and_leaves_not
     def fails_once(batch: Any, ending: Any) -> None:
         if batch.wrote and not failed:  # the ADD_AND_RETRIEVE's (nothing else writes)
             failed.append(1)
-            raise pg._Redo  # as a write refused at the pipeline's end would
+            raise batch_module.Redo  # as a write refused at the pipeline's end would
         commit(batch, ending)
 
     async with pool_server(postgres_store(), workdir) as (server, pool, queue):
