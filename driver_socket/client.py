@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from queryqueue.driver_socket.link import Connection, ConnectionLost, Link
-from queryqueue.driver_socket.paths import default_socket_path
+from queryqueue.driver_socket.paths import default_socket_path, socket_source
 from queryqueue.driver_socket.protocol import (
     DECODERS,
     DEFAULT_MAX_FRAME,
@@ -90,6 +90,7 @@ class SocketQueueDriver:
         self.auth_token = auth_token
         self._segments = SegmentMaps()
         self.socket_path = Path(socket_path) if socket_path is not None else default_socket_path()
+        source = "the one given" if socket_path is not None else socket_source()
         self.process_id = process_id
         self.reconnect_timeout = reconnect_timeout
         self.request_timeout = request_timeout
@@ -104,6 +105,7 @@ class SocketQueueDriver:
             on_hello=self._hello,
             on_nudge=self._nudged,
             on_peer=self._supervisor_is,
+            source=source,
         )
         # Prefixes the supervisor's worker pool runs (its hello says so on every connect).
         self.pool_prefixes: frozenset[str] = frozenset()

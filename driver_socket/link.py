@@ -198,6 +198,7 @@ class Connection:
         on_hello: Callable[[Link, dict[str, Any]], None],
         on_nudge: Callable[[str], None],
         on_peer: Callable[[int], None],
+        source: str = "the one given",
     ) -> None:
         self.socket_path = socket_path
         self.process_id = process_id
@@ -206,6 +207,7 @@ class Connection:
         self.max_frame = max_frame
         self.auth_token = auth_token
         self.on_hello, self.on_nudge, self.on_peer = on_hello, on_nudge, on_peer
+        self.source = source  # where the socket's path came from, for its errors
         self.ids = itertools.count(1)
         self.link: Link | None = None
         self.reconnects = 0
@@ -266,7 +268,8 @@ class Connection:
             except OSError as exc:
                 if loop.time() + delay > deadline:
                     raise SupervisorUnavailableError(
-                        f"no supervisor at {self.socket_path} ({exc.strerror or exc})"
+                        f"no supervisor at {self.socket_path} ({exc.strerror or exc}; the path"
+                        f" is {self.source}): is `queryqueue supervisor` running there?"
                     ) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)

@@ -324,7 +324,7 @@ class Executor:
         query = retrieved.query
         if self.queue.stream_handler is None:
             raise QueryError("no stream_handler for a stream query")
-        stream = self.queue._create_query_stream(retrieved.query_key_hash, query.get("query"))
+        stream = self.queue.streams.create(retrieved.query_key_hash, query.get("query"))
         task = asyncio.ensure_future(self.queue.stream_handler(query.get("query"), stream))
         execution.handler_task = task
         try:
@@ -338,8 +338,7 @@ class Executor:
             await stream.end(exc)
             raise
         finally:
-            if self.queue.streams.get(retrieved.query_key_hash) is stream:
-                del self.queue.streams[retrieved.query_key_hash]
+            self.queue.streams.ended(stream)
         await stream.end()
         return '{"streamResult":true}'
 

@@ -40,7 +40,7 @@ from queryqueue.engine.requests import Request, RequestSide
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
-from queryqueue.engine.stream import QueryStream
+from queryqueue.engine.stream import QueryStream, Streams
 
 SendCancelMessage = Callable[[QueryDef, QueueId | None], Awaitable[None]]
 
@@ -101,8 +101,7 @@ class QueryQueue:
         self.connection = self._connection()
         self.send_process_message_fn = send_process_message_fn or self._execute_in_background
         self.send_cancel_message_fn = send_cancel_message_fn or self._cancel_in_background
-        self.streams: dict[str, QueryStream] = {}
-        self._stream_waiters: dict[str, set[asyncio.Future[QueryStream]]] = {}
+        self.streams = Streams()
         self._reconcile_task: asyncio.Task[None] | None = None
         self._reconcile_again = self._closing = self._closed = False
         self.reconcile_runs = 0  # completed reconcileQueueImpl runs, for stats and tests
@@ -177,7 +176,22 @@ class QueryQueue:
         request = Request(
             query_handler, query_key, query, priority, stage_query_key, request_id, None, view
         )
-        deadline = None if timeout is None else self.clock.now_ms() + round(timeout * 1000)
+        # The loop's clock bounds every wait too, reconnecting to a driver's server included.
+        bound = asyncio.timeout(timeout)
+        try:
+            async with bound:
+                return await self._poll(request, within=timeout)
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            raise QueryTimeoutError(
+                f"no result for the query within {js_number(timeout or 0)} s"
+            ) from None
+
+    async def _poll(self, request: Request, *, within: float | None) -> Any:
+        """`run`'s long polls of one item, for `within` seconds of the queue's clock."""
+        view = request.view
+        deadline = None if within is None else self.clock.now_ms() + round(within * 1000)
         queue_id: QueueId | None = None
         while True:
             wait = self.continue_wait_timeout
@@ -185,7 +199,7 @@ class QueryQueue:
                 remaining = (deadline - self.clock.now_ms()) / 1000
                 if remaining <= 0:
                     raise QueryTimeoutError(
-                        f"no result for the query within {js_number(timeout or 0)} s"
+                        f"no result for the query within {js_number(within or 0)} s"
                     )
                 wait = min(wait, remaining)
             try:
@@ -407,27 +421,6 @@ class QueryQueue:
 
     def get_query_stream(self, query_key_hash: str) -> QueryStream | None:
         return self.streams.get(query_key_hash)
-
-    def _create_query_stream(self, query_key_hash: str, query: Any) -> QueryStream:
-        aliases = query.get("aliasNameToMember") if isinstance(query, Mapping) else None
-        stream = QueryStream(query_key_hash, aliases)
-        self.streams[query_key_hash] = stream
-        for waiter in self._stream_waiters.pop(query_key_hash, ()):
-            if not waiter.done():
-                waiter.set_result(stream)
-        return stream
-
-    def _subscribe_stream(self, query_key_hash: str) -> asyncio.Future[QueryStream]:
-        waiter: asyncio.Future[QueryStream] = asyncio.get_running_loop().create_future()
-        self._stream_waiters.setdefault(query_key_hash, set()).add(waiter)
-        return waiter
-
-    def _unsubscribe_stream(self, query_key_hash: str, waiter: asyncio.Future[QueryStream]) -> None:
-        waiters = self._stream_waiters.get(query_key_hash)
-        if waiters is not None:
-            waiters.discard(waiter)
-            if not waiters:
-                del self._stream_waiters[query_key_hash]
 
     async def _wait_for_stream(
         self, query_key_hash: str, waiter: asyncio.Future[QueryStream]

@@ -70,7 +70,7 @@ class RequestSide:
                 return self.answer(found, request.view)
         # Subscribe before anything can dispatch the stream: a handler that starts at once
         # would otherwise emit into no listener.
-        stream_waiter = self.queue._subscribe_stream(query_key_hash) if is_stream else None
+        stream_waiter = self.queue.streams.subscribe(query_key_hash) if is_stream else None
         waiting: dict[str, Any] | None = None
         try:
             # The long poll that follows, announced with the ADD: a driver may send both
@@ -94,7 +94,7 @@ class RequestSide:
             raise
         finally:
             if stream_waiter is not None:
-                self.queue._unsubscribe_stream(query_key_hash, stream_waiter)
+                self.queue.streams.unsubscribe(query_key_hash, stream_waiter)
 
     def answer(self, outcome: Any, view: bool) -> Any:
         """A decoded outcome's value (a `ResultView` of it for `view`); an error raises."""

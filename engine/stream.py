@@ -55,3 +55,42 @@ class QueryStream:
 
     async def rows(self) -> list[Any]:
         return [row async for row in self]
+
+
+class Streams:
+    """This process's query streams by key hash (a stream lives where it was asked for),
+    and the callers waiting for one to start: a caller subscribes before anything can
+    dispatch its stream, so a handler that starts at once writes to a listener."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, QueryStream] = {}
+        self._waiters: dict[str, set[asyncio.Future[QueryStream]]] = {}
+
+    def get(self, query_key_hash: str) -> QueryStream | None:
+        return self._by_key.get(query_key_hash)
+
+    def create(self, query_key_hash: str, query: Any) -> QueryStream:
+        """The stream of a query that starts here, handed to whoever waits for it."""
+        aliases = query.get("aliasNameToMember") if isinstance(query, Mapping) else None
+        stream = self._by_key[query_key_hash] = QueryStream(query_key_hash, aliases)
+        for waiter in self._waiters.pop(query_key_hash, ()):
+            if not waiter.done():
+                waiter.set_result(stream)
+        return stream
+
+    def ended(self, stream: QueryStream) -> None:
+        """`stream`'s handler is over: a later caller of its key starts a new one."""
+        if self._by_key.get(stream.query_key_hash) is stream:
+            del self._by_key[stream.query_key_hash]
+
+    def subscribe(self, query_key_hash: str) -> asyncio.Future[QueryStream]:
+        waiter: asyncio.Future[QueryStream] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(query_key_hash, set()).add(waiter)
+        return waiter
+
+    def unsubscribe(self, query_key_hash: str, waiter: asyncio.Future[QueryStream]) -> None:
+        waiters = self._waiters.get(query_key_hash)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._waiters[query_key_hash]

@@ -649,7 +649,7 @@ async def test_stream_waiter_subscribes_before_dispatch(make_queue: MakeQueue) -
         await stream.write(1)
 
     queue = make_queue(stream_handler=stream_handler)
-    subscribe = queue._subscribe_stream
+    subscribe = queue.streams.subscribe
     dispatch = queue.send_process_message_fn
 
     def spy_subscribe(query_key_hash: str) -> asyncio.Future[QueryStream]:
@@ -660,7 +660,7 @@ async def test_stream_waiter_subscribes_before_dispatch(make_queue: MakeQueue) -
         sequence.append("dispatch")
         await dispatch(retrieved)
 
-    queue._subscribe_stream = spy_subscribe  # type: ignore[method-assign]
+    queue.streams.subscribe = spy_subscribe  # type: ignore[method-assign]
     queue.send_process_message_fn = spy_dispatch
     for priority in (0, 10):  # through reconcile and on the fast track
         sequence.clear()

@@ -22,11 +22,11 @@ PACKAGES = [
 ]
 CAPS = {"module": 500, "class": 400, "function": 60}
 OVER = {
-    "class engine/executor.py:Executor": 413,
-    "class engine/queue.py:QueryQueue": 450,
+    "class engine/executor.py:Executor": 412,
+    "class engine/queue.py:QueryQueue": 443,
     "class engine/store.py:QueueStore": 414,
     "function driver_sqlite/store.py:__init__": 89,
-    "module driver_postgres/store.py": 908,
+    "module driver_postgres/store.py": 909,
     "class driver_postgres/store.py:PostgresQueueStore": 792,
     "function driver_postgres/store.py:__init__": 74,
     "function driver_postgres/store.py:_command_in": 65,

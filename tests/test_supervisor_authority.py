@@ -1,6 +1,7 @@
 """The supervisor is the authority on the queues its pool runs: their concurrency is its
-app's, whatever a client's own QueueApp says; and a signal meant for reloading does not
-stop it."""
+app's, whatever a client's own QueueApp says; a signal meant for reloading does not stop
+it; and a caller whose supervisor is away fails within its own timeout, told where it
+looked."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from typing import Any
 
 import pytest
 
-from queryqueue import QueueApp, SocketQueueDriver
+from queryqueue import (
+    QueryTimeoutError,
+    QueueApp,
+    SocketQueueDriver,
+    SupervisorUnavailableError,
+)
 from tests.supervisor_util import SupervisorProcess, start_supervisor
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
@@ -78,3 +84,33 @@ async def test_sighup_leaves_the_supervisor_serving(pool: SupervisorProcess) -> 
     finally:
         await driver.close()
     assert pool.process.poll() is None
+
+
+async def test_a_caller_with_a_timeout_is_not_held_by_a_missing_supervisor(
+    workdir: Path,
+) -> None:
+    app = QueueApp("pool", continue_wait_timeout=1.0)
+    app.handler("sql")(_runs_in_the_pool)
+    app.socket_path = workdir / "nobody.sock"  # the driver would retry for 30 s
+    try:
+        # Bounded well below those 30 s: a caller held past its own timeout fails here.
+        with pytest.raises(QueryTimeoutError, match="within 2 s"):
+            await asyncio.wait_for(app.run("sql", "k", {"key": "k"}, timeout=2), 15)
+    finally:
+        await app.aclose()
+
+
+async def test_no_supervisor_names_the_socket_and_where_its_path_came_from(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QUERYQUEUE_SOCKET", str(workdir / "env.sock"))
+    from_env = SocketQueueDriver(reconnect_timeout=0.1)
+    given = SocketQueueDriver(workdir / "given.sock", reconnect_timeout=0.1)
+    try:
+        with pytest.raises(SupervisorUnavailableError, match=r"env\.sock.*\$QUERYQUEUE_SOCKET"):
+            await from_env.ping()
+        with pytest.raises(SupervisorUnavailableError, match=r"given\.sock.*the one given"):
+            await given.ping()
+    finally:
+        await from_env.close()
+        await given.close()
