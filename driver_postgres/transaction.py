@@ -13,28 +13,23 @@ import psycopg
 
 from queryqueue.driver_postgres.batch import AddReads, Head, Known, send_add_reads
 from queryqueue.driver_postgres.lean import Executor, Rows
+from queryqueue.driver_postgres.results import ResultRows
 from queryqueue.driver_postgres.schema import ACTIVE, PENDING
 from queryqueue.driver_postgres.statements import (
     EXTERNAL_ID_TAKEN,
     FIND_BY_PATH,
     INSERT_ITEM,
     INSERT_ITEM_WITH_ID,
-    INSERT_RESULT,
-    LATEST_RESULT_BY_PATH,
-    RESULT_EXPIRE,
     prefix_lock_key,
 )
 from queryqueue.engine.errors import ExternalIdConflictError
 from queryqueue.engine.records import (
     ITEM_COLUMNS,
-    RESULT_COLUMNS,
     STATUS_CODE,
     Item,
     PrefixOverview,
-    StoredResult,
     inserted_values,
     item_from_row,
-    result_from_row,
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
 
@@ -44,7 +39,7 @@ ACTIVE_PREFETCH = 32
 NO_SAVEPOINT = contextlib.nullcontext()
 
 
-class PostgresTransaction:
+class PostgresTransaction(ResultRows):
     def __init__(
         self,
         conn: psycopg.Connection[Any],
@@ -275,6 +270,17 @@ class PostgresTransaction:
         self._count(item.prefix, -1, 1)
         self.known.activated(item)
 
+    def deactivate(self, item: Item, now: int) -> None:
+        self._settle()
+        self._foreseen.pop(item.id, None)
+        if self._head is not None:
+            self._head.drop()  # a pending item more: read the head again
+        self._write(
+            "UPDATE items SET status = %s, heartbeat = %s WHERE id = %s", (PENDING, now, item.id)
+        )
+        self._count(item.prefix, 1, -1)
+        self.known.removed(item)
+
     def set_heartbeat(self, item: Item, now: int) -> None:
         self._write_item(item, "UPDATE items SET heartbeat = %s WHERE id = %s", (now, item.id))
 
@@ -367,96 +373,6 @@ class PostgresTransaction:
             (prefix, ACTIVE, now - heartbeat_timeout_ms),
         )
         return [item_from_row(row) for row in rows]
-
-    # -- results ------------------------------------------------------------------------
-
-    def insert_result(self, result: StoredResult) -> None:
-        # A result is only ever inserted as its item is completed (an ACK, or a CANCEL
-        # with a result), which then notifies the other hosts listening (`acked`): the
-        # NOTIFY rides on this INSERT, one statement (a round of psycopg and a backend
-        # wake-up) fewer; with none listening, there is none.
-        values = (
-            result.id,
-            result.path,
-            result.value,
-            result.deleted,
-            result.expire,
-            result.external_id,
-            result.consumed_by,
-        )
-        if self._channel is None:
-            self._write(INSERT_RESULT, values)
-            return
-        self._notified.add(result.id)
-        self._write(
-            f"WITH stored AS ({INSERT_RESULT}) SELECT pg_notify(%s, %s)",
-            (
-                *values,
-                self._channel,
-                self._note(result.id, result.path, False, result.external_id),
-            ),
-        )
-
-    def result_by_id(self, id: QueueId, now: int) -> StoredResult | None:
-        return result_from_row(
-            self._one(
-                f"SELECT {RESULT_COLUMNS} FROM results WHERE id = %s AND expire > %s"
-                " AND NOT taken FOR UPDATE",
-                (id, now),
-            )
-        )
-
-    def latest_result_by_path(self, path: str, now: int) -> StoredResult | None:
-        since, sent, row = self._result_since, False, None
-        if since is not None:
-            sent, row = self._read_ahead("result", path)
-            # Read ahead as of `since` (the batch's start, at most now): the path's latest
-            # result unexpired then is its latest now too if it still is, and none then is
-            # none now. One that expired between is read again, and so are the next ADDs'
-            # reads: the id read ahead with it may not be the one this ADD needs (it may
-            # insert in its turn, after the ids the next ones took: they leave theirs
-            # unused).
-            if sent and (since > now or (row is not None and row[RESULT_EXPIRE] <= now)):
-                self._batch_ahead.clear()
-                sent = False
-        if not sent:
-            row = self._one(LATEST_RESULT_BY_PATH, (path, now))
-        return result_from_row(row)
-
-    def latest_result_by_external_id(self, external_id: str, now: int) -> StoredResult | None:
-        return result_from_row(
-            self._one(
-                f"SELECT {RESULT_COLUMNS} FROM results WHERE external_id = %s AND expire > %s"
-                " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE",
-                (external_id, now),
-            )
-        )
-
-    def mark_result_consumed(self, id: QueueId, consumer: str | None = None) -> None:
-        self._write(
-            "UPDATE results SET deleted = true, consumed_by = %s WHERE id = %s AND NOT deleted",
-            (consumer, id),
-        )
-
-    def delete_result(self, id: QueueId) -> None:
-        # Taken rather than deleted: gone for every read, but the waiters of other hosts,
-        # woken by the same ACK, can still fetch it (see `fetch_acked`) until it expires.
-        self._write("UPDATE results SET deleted = true, taken = true WHERE id = %s", (id,))
-
-    def fetch_acked(self, id: QueueId, now: int) -> str | None:
-        row = self._one("SELECT value FROM results WHERE id = %s AND expire > %s", (id, now))
-        return None if row is None else str(row[0])
-
-    def purge_expired_results(self, now: int, limit: int) -> int:
-        # A bounded batch, skipping rows another host is purging: never a long lock.
-        # Counted by the statement: a pipelined write has no row count to read yet.
-        row = self._write(
-            "WITH gone AS (DELETE FROM results WHERE id IN (SELECT id FROM results"
-            " WHERE expire <= %s LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING 1)"
-            " SELECT count(*) FROM gone",
-            (now, limit),
-        ).fetchone()
-        return 0 if row is None else int(row[0])
 
     def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
         self.known.flush(self._c)

@@ -186,6 +186,13 @@ class SqliteTransaction:
         )
         self._count(item.prefix, -1, 1)
 
+    def deactivate(self, item: Item, now: int) -> None:
+        self._write()
+        self._c.execute(
+            f"UPDATE items SET status = {PENDING}, heartbeat = ? WHERE id = ?", (now, item.id)
+        )
+        self._count(item.prefix, 1, -1)
+
     def set_heartbeat(self, item: Item, now: int) -> None:
         self._write()
         self._c.execute("UPDATE items SET heartbeat = ? WHERE id = ?", (now, item.id))

@@ -74,6 +74,9 @@ class MemoryTransaction:
     def activate(self, item: Item, now: int, extra: str | None) -> None:
         self._update(item.id, status="active", heartbeat=now, extra=extra)
 
+    def deactivate(self, item: Item, now: int) -> None:
+        self._update(item.id, status="pending", heartbeat=now)
+
     def set_heartbeat(self, item: Item, now: int) -> None:
         self._update(item.id, heartbeat=now)
 

@@ -144,6 +144,9 @@ class StoreTransaction(Protocol):
         """Make `item` active: heartbeat `now`, and `extra` (its own, or with
         startQueryTime merged: RETRIEVE's `start_query_time`)."""
 
+    def deactivate(self, item: Item, now: int) -> None:
+        """Make an active `item` pending again, as if never retrieved (heartbeat `now`)."""
+
     def set_heartbeat(self, item: Item, now: int) -> None: ...
 
     def set_orphaned(self, item: Item, deadline: int) -> None: ...

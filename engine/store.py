@@ -29,6 +29,7 @@ from queryqueue.engine.errors import (
 from queryqueue.engine.group_commit import GroupCommit
 from queryqueue.engine.lanes import OffLoop
 from queryqueue.engine.listing import ListingCommands
+from queryqueue.engine.maintenance import MaintenanceCommands
 from queryqueue.engine.records import (
     Item,
     StoredResult,
@@ -58,7 +59,7 @@ T = TypeVar("T")
 DEFAULT_RESULT_TTL_MS = 5 * 60 * 1000
 
 
-class QueueStore(GroupCommit, OffLoop, ListingCommands, RetrieveNext, Upkeep):
+class QueueStore(GroupCommit, OffLoop, ListingCommands, MaintenanceCommands, RetrieveNext, Upkeep):
     """The QUEUE command set. Subclasses implement `_atomic()` and `close()` only."""
 
     shared = False  # read by other hosts' supervisors too (results must live in it)
@@ -456,22 +457,6 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, RetrieveNext, Upkeep):
                 return False
             tx.set_extra(item, merge_extra_json(item.extra, extra))
             return True
-
-    @queue_command(served=False)
-    def refresh_active_heartbeats(self) -> int:
-        """Give every active item a fresh heartbeat (not a QUEUE command), for a store back
-        after an outage: nobody could heartbeat meanwhile, so a stale heartbeat is no proof
-        of a dead executor. Live ones get a heartbeat timeout to reconnect; dead ones are
-        still reaped after it."""
-        now = self.clock.now_ms()
-        with self._atomic() as tx:
-            return tx.refresh_active_heartbeats(now)
-
-    @queue_command()
-    def truncate(self) -> None:
-        """Remove every item and result of every prefix. Queue ids are never reused."""
-        with self._atomic() as tx:
-            tx.truncate()
 
 
 def _join(keys: list[str]) -> str | None:

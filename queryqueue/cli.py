@@ -121,6 +121,7 @@ def _supervisor(
         app=args.app,
         workers=workers,
         cancel_grace=args.cancel_grace,
+        stop_grace=args.stop_grace,
         worker_poll_s=args.worker_poll_us / 1e6,
         max_tasks_per_worker=args.max_tasks_per_worker,
         max_worker_deaths=args.max_worker_deaths,

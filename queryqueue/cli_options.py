@@ -13,6 +13,7 @@ from queryqueue.engine.version import package_version
 from queryqueue.supervisor.linger import POLL_S, WORKER_POLL_S
 from queryqueue.supervisor.logs import FORMAT_ENV, LEVEL_ENV, LEVELS
 from queryqueue.supervisor.loops import CHOICES
+from queryqueue.supervisor.settings import DEFAULT_STOP_GRACE
 
 DB_ENV = "QUERYQUEUE_DB"
 APP_ENV = "QUERYQUEUE_APP"
@@ -86,6 +87,7 @@ def _supervisor_command(commands: Any) -> None:
         _store_options,
         _listening_options,
         _pool_options,
+        _worker_limit_options,
         _observing_options,
         _limit_options,
     ):
@@ -219,28 +221,6 @@ def _pool_options(sup: argparse.ArgumentParser) -> None:
         help=f"worker processes (with --app; 2 when --app is given alone); ${WORKERS_ENV}",
     )
     sup.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=10.0,
-        help="seconds a worker may keep running a cancelled query before it is terminated",
-    )
-    sup.add_argument(
-        "--max-tasks-per-worker", type=int, default=None, help="recycle a worker after N queries"
-    )
-    sup.add_argument(
-        "--max-worker-deaths",
-        type=int,
-        default=3,
-        help="a query that kills its worker this many times fails for its waiters",
-    )
-    sup.add_argument(
-        "--max-memory-per-worker",
-        type=int,
-        default=None,
-        metavar="MB",
-        help="recycle a worker whose RSS is above MB after a query",
-    )
-    sup.add_argument(
         "--loop",
         choices=CHOICES,
         default="auto",
@@ -260,6 +240,40 @@ def _pool_options(sup: argparse.ArgumentParser) -> None:
         metavar="US",
         help="when a worker's next query usually comes within this many microseconds of its"
         " last ACK, the worker polls for it instead of sleeping (0: never)",
+    )
+
+
+def _worker_limit_options(sup: argparse.ArgumentParser) -> None:
+    """How long a worker's query may run on when it should stop, and when a worker goes."""
+    sup.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=10.0,
+        help="seconds a worker may keep running a cancelled query before it is terminated",
+    )
+    sup.add_argument(
+        "--stop-grace",
+        type=float,
+        default=DEFAULT_STOP_GRACE,
+        metavar="S",
+        help="on SIGTERM, seconds running queries may take to finish; the rest are ended and"
+        " pending again, for the next supervisor",
+    )
+    sup.add_argument(
+        "--max-tasks-per-worker", type=int, default=None, help="recycle a worker after N queries"
+    )
+    sup.add_argument(
+        "--max-worker-deaths",
+        type=int,
+        default=3,
+        help="a query that kills its worker this many times fails for its waiters",
+    )
+    sup.add_argument(
+        "--max-memory-per-worker",
+        type=int,
+        default=None,
+        metavar="MB",
+        help="recycle a worker whose RSS is above MB after a query",
     )
 
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +34,8 @@ import psutil
 
 from queryqueue.driver_socket.segments import DEFAULT_THRESHOLD
 from queryqueue.engine.driver import LocalQueueDriver
-from queryqueue.engine.errors import QueryTimeoutError, QueueError, WorkerLostError
-from queryqueue.engine.outcome import encode_error, encode_retry
+from queryqueue.engine.errors import QueryTimeoutError
+from queryqueue.engine.outcome import encode_error
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.responses import QueueId, QueueKey
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -44,6 +43,7 @@ from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import loops
 from queryqueue.supervisor.linger import WORKER_POLL_S
 from queryqueue.supervisor.loops import LoopChoice
+from queryqueue.supervisor.takeback import TakeBack
 from queryqueue.supervisor.watch import CANCEL as _CANCEL
 from queryqueue.supervisor.watch import CANCEL_HANDLER as _CANCEL_HANDLER
 from queryqueue.supervisor.watch import DRAINING as _DRAINING
@@ -123,19 +123,16 @@ class WorkerPool:
         if worker_poll_s < 0:
             raise ValueError(f"worker_poll_s must be 0 (off) or more, not {worker_poll_s!r}")
         self.worker_poll_s = worker_poll_s
-        if max_worker_deaths < 1:
-            raise ValueError("max_worker_deaths must be at least 1")
-        self.max_worker_deaths = max_worker_deaths
         loops.loop_factory(event_loop)  # refused here, not in each worker
         self.event_loop: LoopChoice = event_loop
-        # Deaths of workers while running a query, by the query's path (bounded).
-        self._deaths: OrderedDict[str, int] = OrderedDict()
         self.spawn_failures = 0
         self.spawn_error: str | None = None
         self._respawn: asyncio.TimerHandle | None = None
         self._spawn_delay = SPAWN_RETRY_FIRST
         self.execution_timeout = 600.0  # the app's, once loaded
         self.app_ref = app_ref
+        # What it takes back from its workers: dead ones', lost outcomes, at the stop.
+        self.takeback = TakeBack(store, app_ref, max_worker_deaths)
         self.socket_path = str(socket_path)
         self.store = store
         self.size = workers
@@ -160,7 +157,6 @@ class WorkerPool:
         # Where the cancel handlers the workers' watches carry (`_CANCEL_HANDLER`) go: the
         # server's next batch (set by the server whose socket the workers talk to).
         self.noted: Callable[[QueueId, str], None] | None = None
-        self.reclaimed: list[QueueId] = []
         self.queue: QueryQueue | None = None
         self._poked = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -191,6 +187,9 @@ class WorkerPool:
         self._heartbeats = asyncio.ensure_future(self._heartbeat_forever())
 
     async def stop(self, grace: float = 5.0) -> None:
+        """Take no more work, let the running queries finish within `grace` seconds in
+        all, then end the workers (killed past it). What they held, unfinished, stays held
+        until `give_back`."""
         self._stopping = True
         if self._respawn is not None:
             self._respawn.cancel()
@@ -204,13 +203,29 @@ class WorkerPool:
             with contextlib.suppress(OSError, ValueError):
                 worker.conn.send_bytes(b"")  # asks the worker to finish and exit
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         for worker in self._workers:
-            await loop.run_in_executor(None, worker.process.join, grace)
+            await loop.run_in_executor(None, worker.process.join, max(0.0, deadline - loop.time()))
             if worker.process.is_alive():
+                _log.warning(
+                    "worker %d still runs %s after the stop grace of %s s: killed",
+                    worker.process.pid,
+                    worker.job.path if worker.job else "nothing",
+                    grace,
+                )
                 worker.process.kill()
-                await loop.run_in_executor(None, worker.process.join, grace)
+                await loop.run_in_executor(None, worker.process.join, 10.0)
             worker.conn.close()
+            held = [job for job in (worker.job, worker.next) if job is not None]
+            self.takeback.unfinished += [(job.queue_id, job.path) for job in held]
+        self.takeback.unfinished += [(job.queue_id, job.path) for job in self._backlog]
+        self._backlog.clear()
         self._workers.clear()
+
+    async def give_back(self) -> None:
+        """After the stop (the server gone too): every item the pool held unfinished, or
+        was handed while stopping, is pending again, for the next supervisor."""
+        await self.takeback.requeue_unfinished()
 
     @property
     def stopping(self) -> bool:
@@ -255,7 +270,7 @@ class WorkerPool:
             "replaced": self.replaced,
             "terminated": self.terminated,
             "recycled": self.recycled,
-            "reclaimed": len(self.reclaimed),
+            "reclaimed": len(self.takeback.reclaimed),
             "reconciles": self.queue.reconcile_runs if self.queue is not None else 0,
         }
 
@@ -389,14 +404,6 @@ class WorkerPool:
         if self.noted is not None:
             self.noted(queue_id, extra)
 
-    async def _fail_timed_out(self, queue_id: QueueId, outcome: str) -> None:
-        """A worker's watch timed its query out: its waiters get `outcome` now (a failure
-        is logged: the worker's own ACK, or the supervisor's timeout, comes later)."""
-        try:
-            await self.store.run_off_loop(self.store.cancel, queue_id, result=outcome)
-        except Exception:
-            _log.exception("failing timed-out queue item %s failed", queue_id)
-
     def _reconcile(self) -> None:
         self._poked = False
         if self.queue is not None and not self._stopping:
@@ -421,6 +428,9 @@ class WorkerPool:
         if retrieved.persistent:
             raise RuntimeError("a stream query runs in the process that asked for it")
         if self._stopping:
+            # Retrieved for the pool as it stops: given back with what it held.
+            path = f"{prefix}:{retrieved.query_key_hash}"
+            self.takeback.unfinished.append((retrieved.queue_id, path))
             raise RuntimeError("the worker pool is stopping")
         if self._job(retrieved.queue_id) is not None:
             raise RuntimeError(f"queue item {retrieved.queue_id} is handed off already")
@@ -538,7 +548,7 @@ class WorkerPool:
 
     def _ended(self, worker: _Worker, job: _Job | None) -> None:
         if job is not None:
-            self._deaths.pop(job.path, None)  # it ran to its end
+            self.takeback.succeeded(job.path)  # it ran to its end
             worker.finished = job
         worker.executed += 1
 
@@ -612,14 +622,14 @@ class WorkerPool:
         if kind == LOST and acking is not None and acking.queue_id == queue_id:
             # Its ACK, sent as its next query started, was not stored through every retry.
             worker.acking = None
-            self._in_background(self._give_back(acking))
+            self._in_background(self.takeback.give_back(acking.queue_id))
             return
         job = worker.job
         ours = job is not None and job.queue_id == queue_id
         if kind == _TIMED_OUT and job is not None and ours and text is not None:
             # Its handler, on the worker's loop thread, did not stop at its timeout: its
             # waiters hear of it now, and the worker has the grace to finish it.
-            self._in_background(self._fail_timed_out(job.queue_id, text))
+            self._in_background(self.takeback.fail_timed_out(job.queue_id, text))
         if kind in (_DRAINING, _TIMED_OUT):
             worker.draining_since = asyncio.get_running_loop().time()
             if ours:  # its ACK was not answered: it is over all the same
@@ -630,7 +640,7 @@ class WorkerPool:
             return
         if kind == LOST and ours:
             assert job is not None
-            self._in_background(self._give_back(job))
+            self._in_background(self.takeback.give_back(job.queue_id))
         if kind in (LOST, DONE):
             if ours:
                 self._finished(worker)
@@ -672,76 +682,27 @@ class WorkerPool:
         with contextlib.suppress(OSError):
             worker.conn.close()
         if worker.job is not None:  # an acknowledged one is no longer its job
-            self._reclaim(worker.job, worker.process.exitcode)
+            job = worker.job
+            outcome = self.takeback.died(
+                job.queue_id,
+                job.path,
+                worker.process.exitcode,
+                counts=not (job.timed_out or job.abandoned),
+            )
+            self._in_background(self.takeback.take_back(job.queue_id, job.path, outcome))
         if worker.acking is not None:
             # It ran to its end; stored, unless the ACK's batch failed to commit and the
             # worker died before its retry: then its waiters ask again (nothing to take
             # back once it was stored, and no death counted against it).
-            self._in_background(self._give_back(worker.acking))
+            self._in_background(self.takeback.give_back(worker.acking.queue_id))
         if worker.next is not None:  # never started: back to the queue, run again
-            self._in_background(self._give_back(worker.next))
+            self._in_background(self.takeback.give_back(worker.next.queue_id))
         if not self._stopping:
             if worker.retiring:
                 self.recycled += 1
             else:
                 self.replaced += 1
             self._fill()
-
-    def _reclaim(self, job: _Job, exitcode: int | None) -> None:
-        """The worker died holding `job`: take the item out at once and call its cancel
-        path. Its waiters' retry runs it again, unless it has now killed
-        `max_worker_deaths` workers: then it fails for every waiter, saying so."""
-        self.reclaimed.append(job.queue_id)
-        outcome = None
-        if not (job.timed_out or job.abandoned):
-            # Counted until the query succeeds: a new request for it after it failed
-            # fails at its first death, not N more.
-            deaths = self._deaths.pop(job.path, 0) + 1
-            self._deaths[job.path] = deaths
-            while len(self._deaths) > 10_000:
-                self._deaths.popitem(last=False)
-            # Its waiters are told at once and ask again together (one new item).
-            outcome = encode_retry(
-                f"the worker running the query died (exit code {exitcode}); it runs again"
-            )
-            if deaths >= self.max_worker_deaths:
-                _log.error(
-                    "query %s killed its worker %d times (last exit code %s): it fails",
-                    job.path,
-                    deaths,
-                    exitcode,
-                )
-                outcome = encode_error(
-                    WorkerLostError(
-                        f"the query killed its worker {deaths} times (last exit code "
-                        f"{exitcode}): not run again"
-                    )
-                )
-        self._in_background(self._take_back(job, outcome))
-
-    async def _give_back(self, job: _Job) -> None:
-        """Its worker ran it but could not store the outcome (the store was away through
-        every retry): reclaim it now, not a stall timeout later, so its waiters ask again.
-        Tried until the store answers (at most two minutes)."""
-        outcome = encode_retry("the worker could not store the query's outcome; it runs again")
-        for _ in range(120):
-            try:
-                await self.store.run_off_loop(self.store.cancel, job.queue_id, result=outcome)
-                return
-            except QueueError as exc:
-                _log.warning("giving back queue item %s failed: %s", job.queue_id, exc)
-                await asyncio.sleep(1.0)
-
-    async def _take_back(self, job: _Job, outcome: str | None) -> None:
-        removed = await self.store.run_off_loop(self.store.cancel, job.queue_id, result=outcome)
-        if removed is None:
-            return
-        _log.warning("worker died: reclaimed queue item %s (%s)", job.queue_id, job.path)
-        definition = orjson.loads(removed.payload)
-        if removed.extra:
-            with contextlib.suppress(ValueError):
-                definition.update(orjson.loads(removed.extra))
-        await _call_cancel_handler(self.app_ref, definition)
 
     async def _heartbeat_forever(self) -> None:
         while True:
@@ -832,20 +793,6 @@ class WorkerPool:
         except Exception:  # a failing heartbeat must not stop the others
             _log.exception("heartbeat of queue item %s failed", queue_id)
             return True
-
-
-async def _call_cancel_handler(app_ref: str, definition: dict[str, Any]) -> None:
-    from queryqueue.app import load_app
-
-    try:
-        app = load_app(app_ref)
-        cancel = app.cancel_handlers.get(str(definition.get("queryHandler")))
-        if cancel is not None:
-            outcome = cancel(definition)
-            if inspect.isawaitable(outcome):
-                await outcome
-    except Exception:
-        _log.exception("cancel handler of a reclaimed query failed")
 
 
 def _shown_key(query_key: Any) -> str:

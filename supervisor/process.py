@@ -18,6 +18,7 @@ from queryqueue.supervisor.linger import POLL_S
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import Limits, QueueServer
+from queryqueue.supervisor.settings import DEFAULT_STOP_GRACE
 
 _log = logging.getLogger("queryqueue.supervisor")
 
@@ -64,9 +65,11 @@ async def serve(
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
     poll_s: float = POLL_S,
+    stop_grace: float = DEFAULT_STOP_GRACE,
     **pool_options: Any,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully: running
+    queries get `stop_grace` seconds to finish, and what does not is pending again.
 
     `pool_options` go to `WorkerPool` (event_loop, cancel_grace, max_tasks_per_worker,
     max_memory_per_worker, shm_threshold, worker_poll_s)."""
@@ -97,6 +100,7 @@ async def serve(
             ready=ready,
             stop=stop,
             poll_s=poll_s,
+            stop_grace=stop_grace,
             **pool_options,
         )
     finally:
@@ -123,6 +127,7 @@ async def _serve_store(
     ready: asyncio.Event | None,
     stop: asyncio.Event | None,
     poll_s: float,
+    stop_grace: float,
     **pool_options: Any,
 ) -> None:
     pool = (
@@ -158,23 +163,30 @@ async def _serve_store(
             site = await _start_site(server, http, token, token_file)
         if ready is not None:
             ready.set()
-        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.failed.wait())]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
+        await _until_stopped(stop, server)
     finally:
         unhandle()
         if site is not None:
             await site.stop()
         if pool is not None:
-            await pool.stop()
+            await pool.stop(stop_grace)
         if started:
             await server.stop()
+        if pool is not None:
+            await pool.give_back()  # what it could not finish is pending again
         store.close()
     if server.failure is not None:
         raise StoreError(f"the queue store failed: {server.failure}")
+
+
+async def _until_stopped(stop: asyncio.Event, server: QueueServer) -> None:
+    """Until `stop` is set (a signal) or the server's store fails for good."""
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.failed.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 def _handle_signals(stop: asyncio.Event) -> Callable[[], None]:

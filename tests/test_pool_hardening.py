@@ -270,8 +270,8 @@ async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
         assert paths[sent]["pid"] != pid, "it ran again, in a live worker"
         described = pool.describe()
         assert described["replaced"] == 1
-        assert finished_id not in pool.reclaimed, "the acknowledged query was done, not lost"
-        assert len(pool.reclaimed) == 1  # the one sent to it
+        assert finished_id not in pool.takeback.reclaimed, "the acknowledged query was done, not lost"
+        assert len(pool.takeback.reclaimed) == 1  # the one sent to it
     finally:
         await queue.shutdown(grace=0)
         await driver.close()
@@ -421,7 +421,7 @@ async def test_a_live_workers_query_is_not_reaped_while_its_heartbeats_cannot_la
         with pytest.raises(QueryCancelledError):
             await asyncio.wait_for(ask, 30)
         assert len(_starts(workdir, "late")) == 1
-        assert pool.reclaimed == []
+        assert pool.takeback.reclaimed == []
 
 
 class _Process:
@@ -513,5 +513,5 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
     pool._on_exit(worker)  # died running d, c's ACK not stored
     await wait_until(lambda: not queued())
     assert outcome("c")["retry"] is True and outcome("d")["retry"] is True
-    assert pool.reclaimed == [ids["d"]]
-    assert dict(pool._deaths) == {"p:d": 1}
+    assert pool.takeback.reclaimed == [ids["d"]]
+    assert dict(pool.takeback.deaths) == {"p:d": 1}

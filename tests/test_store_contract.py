@@ -185,6 +185,22 @@ def test_retrieve_of_missing_or_active_item_fails(store: QueueStore) -> None:
     assert store.retrieve(99, concurrency=5) == RetrieveResponse(None, None, 0, None, None)
 
 
+def test_requeue_gives_an_active_item_back_pending_and_retrievable(store: QueueStore) -> None:
+    first = store.add(path("a"), payload(q=1), priority=5).id
+    store.add(path("b"), payload(q=2))
+    assert store.retrieve(path("a"), concurrency=1) is not None
+    assert store.retrieve(path("b"), concurrency=1) is not None
+    assert store.retrieve(path("b"), concurrency=1).payload is None  # type: ignore[union-attr]
+    assert store.requeue(first) is True
+    assert [(r.id, r.status) for r in store.list_items(P)] == [("a", "pending"), ("b", "pending")]
+    assert keys(store.pending(P)) == ["a", "b"]  # its priority kept, ahead of b
+    assert store.retrieve(path("a"), concurrency=1) is not None  # the slot it held is free
+    assert store.add(path("a"), payload(q=1)).id == first  # the same item, joined
+    assert store.requeue(path("b")) is False  # pending: nothing to give back
+    assert store.requeue(path("nope")) is False
+    assert store.requeue(first) is True and store.requeue(first) is False
+
+
 def test_retrieve_by_queue_id(store: QueueStore) -> None:
     qid = store.add(path("a"), payload()).id
     got = store.retrieve(qid, concurrency=1)

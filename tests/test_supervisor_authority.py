@@ -18,8 +18,10 @@ from queryqueue import (
     QueryTimeoutError,
     QueueApp,
     SocketQueueDriver,
+    SqliteQueueStore,
     SupervisorUnavailableError,
 )
+from queryqueue.engine.hashing import hash_query_key
 from tests.supervisor_util import SupervisorProcess, start_supervisor
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
@@ -114,3 +116,50 @@ async def test_no_supervisor_names_the_socket_and_where_its_path_came_from(
     finally:
         await from_env.close()
         await given.close()
+
+
+async def test_a_stop_gives_back_what_ran_past_its_grace_for_the_next_supervisor(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    db, socket_path = workdir / "queue.db", workdir / "s.sock"
+    first = start_supervisor(db, socket_path, "--app", APP, "--workers", "2", "--stop-grace", "0.3")
+    second: SupervisorProcess | None = None
+    app = _greedy_app(first)
+    keys = ["slow1", "slow2"]
+    callers = [
+        asyncio.ensure_future(app.run("sql", key, {"key": key, "seconds": 3.0}, timeout=90))
+        for key in keys
+    ]
+    try:
+        await wait_until(
+            lambda: len([t for t in read_trace(workdir) if t[0] == "start"]) == 2,
+            what="both queries running",
+        )
+        assert await asyncio.to_thread(first.stop) == 0  # SIGTERM, past the grace
+        log = first.log.read_text()
+        for key in keys:
+            assert "gave back queue item" in log and f"pool:{hash_query_key(key)}" in log
+        store = SqliteQueueStore(db)
+        try:
+            assert sorted(item.id for item in store.pending("pool")) == sorted(
+                hash_query_key(key) for key in keys
+            )
+            assert store.active("pool") == []
+        finally:
+            store.close()
+        second = start_supervisor(db, socket_path, "--app", APP, "--workers", "2")
+        results = await asyncio.wait_for(asyncio.gather(*callers), 60)
+    finally:
+        for caller in callers:
+            caller.cancel()
+        await asyncio.gather(*callers, return_exceptions=True)
+        await app.aclose()
+        if first.process.poll() is None:
+            first.stop()
+        if second is not None:
+            assert second.stop() == 0
+    assert sorted(result["key"] for result in results) == keys
+    trace = read_trace(workdir)
+    for key in keys:  # killed once at the stop, run once (to its end) by the next
+        assert [t[0] for t in trace if t[1] == key] == ["start", "start", "end"]
