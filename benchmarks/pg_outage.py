@@ -1,4 +1,4 @@
-"""The PostgreSQL store's outage experiments (issue 17), as numbers:
+"""The PostgreSQL store's outage experiments, as numbers:
 
     python -m benchmarks.pg_outage [--out FILE.json]
 

@@ -1,4 +1,4 @@
-"""The design doc's driver methods, bound to one queue, over any `QueueDriver`.
+"""Cube's queue driver methods, bound to one queue, over any `QueueDriver`.
 
 This is what Cube's `CubeStoreQueueDriver` connection does: it turns `getResult`,
 `addToQueue`, `retrieveForProcessing`… into QUEUE commands on `<prefix>:<queryKeyHash>`
@@ -302,7 +302,7 @@ class QueueConnection:
     async def set_encoded_result_and_remove_query(
         self, query_key_hash: str, result: Outcome, queue_id: QueueId | None
     ) -> bool:
-        """The design doc's setResultAndRemoveQuery, with the result already JSON text
+        """Cube's setResultAndRemoveQuery, with the result already JSON text
         (encoded once, where it was made)."""
         ack = await self.driver.ack(self._key(query_key_hash, queue_id), result)
         return ack.success

@@ -1,4 +1,4 @@
-"""The background side of `queue-design.txt`: execute a retrieved query, heartbeat it,
+"""The background side of Cube's QueryQueue: execute a retrieved query, heartbeat it,
 cancel it, ACK it — what huey's consumer and saq's worker are to their queues.
 
 One `Executor` per `QueryQueue`, holding the executions running in this process. Its

@@ -1,4 +1,4 @@
-"""QueryQueue, `queue-design.txt` in asyncio: its face, the reconcile and the lifecycle.
+"""QueryQueue, Cube's design in asyncio: its face, the reconcile and the lifecycle.
 The request side is `requests.py`, the background side `executor.py`, `get_queries` and
 `get_query_stage` `introspection.py`.
 
@@ -112,7 +112,7 @@ class QueryQueue:
         self.requests = RequestSide(self)
 
     def _connection(self) -> QueueConnection:
-        """The design doc's driver methods, bound to this queue's prefix and timeouts."""
+        """Cube's driver methods, bound to this queue's prefix and timeouts."""
         return QueueConnection(
             self.driver,
             self.prefix,

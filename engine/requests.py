@@ -1,4 +1,4 @@
-"""The request side of `queue-design.txt`: enqueue (or join) a query, get it started, wait
+"""The request side of Cube's QueryQueue: enqueue (or join) a query, get it started, wait
 for its result. `QueryQueue.execute_in_queue` and `run` are this, one long poll at a time.
 
     execute: cached result? -> _enqueue (ADD; the fast track is ADD_AND_RETRIEVE)

@@ -1,6 +1,6 @@
-"""Responses of the QUEUE commands, shaped exactly like the design doc's TypeScript types.
+"""Responses of the QUEUE commands, shaped exactly like Cube Store's TypeScript types.
 
-Field names and meanings follow `queue-design.txt` ("Cube Store responses as TS types").
+Field names and meanings follow Cube Store's responses.
 `QueueId` is an int; JSON text travels as `str` and is never decoded by the store.
 """
 

@@ -6,8 +6,8 @@ persistence: `_atomic()` yields a `StoreTransaction` (records.py) whose small ho
 and write items, counters and results, so every store has the same semantics by
 construction and one conformance suite checks them all. Every command is one atomic
 transaction; bad input raises `InvalidCommandError` before anything is written. Cube
-Store's semantics (`cube-queue-spec.md` section 10) but for the README's "Where we
-differ from Cube Store on purpose". Listings: listing.py; the pool's step: retrieve_next.py.
+Store's semantics, but for the differences the documentation's Cube compatibility page
+lists. Listings: listing.py; the pool's step: retrieve_next.py.
 """
 
 from __future__ import annotations

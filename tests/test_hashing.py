@@ -13,7 +13,7 @@ from queryqueue.engine.hashing import js_json_stringify, stringified
 
 
 def test_string_key_matches_cube_store_driver() -> None:
-    # cube-queue-spec.md section 1.1: "string" -> md5 of "\"string\""
+    # Cube's driver hashes a string key as the MD5 of its JSON text, quotes included
     assert hash_query_key("string") == "095d71cf12556b9d5e330ad575b3df5d"
 
 

@@ -270,7 +270,9 @@ async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
         assert paths[sent]["pid"] != pid, "it ran again, in a live worker"
         described = pool.describe()
         assert described["replaced"] == 1
-        assert finished_id not in pool.takeback.reclaimed, "the acknowledged query was done, not lost"
+        assert finished_id not in pool.takeback.reclaimed, (
+            "the acknowledged query was done, not lost"
+        )
         assert len(pool.takeback.reclaimed) == 1  # the one sent to it
     finally:
         await queue.shutdown(grace=0)

@@ -259,13 +259,16 @@ async def test_an_item_its_caller_abandoned_is_reaped_by_another_host(
     from tests.apps.pool_app import app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    hosts = [_pool_host(workdir, name, schema) for name in ("a", "b")]
+    slow_beats = {**os.environ, "POOL_HEARTBEAT": "1.0"}
+    hosts = [_pool_host(workdir, "a", schema), _pool_host(workdir, "b", schema, env=slow_beats)]
     drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
     queues = [app.pool_queue(d, continue_wait_timeout=0.3) for d in drivers]
     try:
         blockers = [asyncio.ensure_future(_ask(q, f"b{i}", 3.0)) for i, q in enumerate(queues)]
         await wait_until(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=30)
-        # Asked on host a with a 1 s orphaned timeout, then the caller goes away.
+        # Asked on host a with a 1 s orphaned timeout, then the caller goes away. Host b
+        # finds the blocker host a held stalled only its heartbeat timeout (4 s) after the
+        # kill: "gone" is orphaned first, so the slot the blocker frees never goes to it.
         query = {"key": "gone", "seconds": 0, "orphanedTimeout": 1}
         with pytest.raises(ContinueWaitError):
             await queues[0].execute_in_queue("sql", "gone", query)
