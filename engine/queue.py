@@ -47,6 +47,12 @@ SendCancelMessage = Callable[[QueryDef, QueueId | None], Awaitable[None]]
 REAP_INTERVAL_MS = 1000
 
 
+# How long past a caller's timeout `run` waits before it gives up on a wait that did not
+# end by itself: a long poll ends at the timeout on its server's side, and one cut short
+# here would stay parked there and take the result its caller no longer reads.
+BOUND_SLACK_S = 1.0
+
+
 class QueryQueue:
     # Set by a supervisor's pool: the ids it holds for live workers, which are never stalled.
     held_here: Callable[[QueueId], bool] | None = None
@@ -177,7 +183,7 @@ class QueryQueue:
             query_handler, query_key, query, priority, stage_query_key, request_id, None, view
         )
         # The loop's clock bounds every wait too, reconnecting to a driver's server included.
-        bound = asyncio.timeout(timeout)
+        bound = asyncio.timeout(None if timeout is None else timeout + BOUND_SLACK_S)
         try:
             async with bound:
                 return await self._poll(request, within=timeout)

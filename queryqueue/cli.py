@@ -1,4 +1,4 @@
-"""The `queryqueue` command: demo, supervisor, status, sql, cancel."""
+"""The `queryqueue` command: demo, supervisor, status, health, sql, cancel, inspect."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def _main(argv: list[str] | None) -> int:
             return asyncio.run(_sql(socket_path, args.text))
         if args.command == "inspect":
             return _inspect(parser, args)
+        if args.command == "health":
+            return asyncio.run(_health(socket_path, args.within))
         if args.command == "cancel":
             if (args.key is None) == (args.request_id is None):
                 parser.error("cancel takes a KEY or --request-id ID")
@@ -301,6 +303,26 @@ async def _sql(socket_path: Path, text: str) -> int:
         columns = list(rows[0])
         print(table(columns, [[row.get(c) for c in columns] for row in rows]))
     print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return 0
+
+
+async def _health(socket_path: Path, within: float) -> int:
+    """Exit 0 when the supervisor answers its status within `within` seconds (its loop
+    and its store are there) and its pool has all its workers; else 1, saying why."""
+    from queryqueue.driver_socket.client import SocketQueueDriver
+    from queryqueue.supervisor.health import problems
+
+    driver = SocketQueueDriver(socket_path, reconnect_timeout=within, request_timeout=within)
+    try:
+        found = problems(await driver.stats())
+    except QueueError as exc:
+        found = [str(exc)]
+    finally:
+        await driver.close()
+    if found:
+        print(f"unhealthy: {'; '.join(found)}", file=sys.stderr)
+        return 1
+    print("healthy")
     return 0
 
 

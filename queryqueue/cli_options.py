@@ -60,6 +60,7 @@ def parser() -> argparse.ArgumentParser:
         _demo_command,
         _supervisor_command,
         _status_command,
+        _health_command,
         _sql_command,
         _cancel_command,
         _inspect_command,
@@ -333,6 +334,19 @@ def _status_command(commands: Any) -> None:
     )
     status.add_argument("--count", type=int, default=None, help="with --watch: stop after N times")
     _socket_option(status)
+
+
+def _health_command(commands: Any) -> None:
+    health = commands.add_parser(
+        "health",
+        help="exit 0 if the supervisor answers (store and loop) and its pool has its workers,"
+        " else 1: for systemd and container health checks",
+        formatter_class=_Help,
+    )
+    health.add_argument(
+        "--within", type=float, default=5.0, metavar="S", help="how long to wait for an answer"
+    )
+    _socket_option(health)
 
 
 def _sql_command(commands: Any) -> None:

@@ -1,7 +1,8 @@
 """`--http`: Prometheus metrics, the status as JSON, and a live status page, served from
 the supervisor's own event loop (aiohttp; the `http` extra).
 
-Every route wants the supervisor's secret (the TCP listener's token file), as
+Every route but `/healthz` (which says whether the supervisor is healthy, and no data)
+wants the supervisor's secret (the TCP listener's token file), as
 `Authorization: Bearer <token>` or `?token=<token>` (the page passes it on to its own
 requests): a loopback port is open to every local user, so it is no less guarded than
 the socket. A non-loopback address is refused unless asked for (`--http-public`, guard.py).
@@ -10,6 +11,7 @@ Every asset is in this module: the page loads nothing from anywhere else.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from importlib import resources
@@ -18,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from queryqueue.supervisor import health
 
 if TYPE_CHECKING:
     from queryqueue.supervisor.metrics import Metrics
@@ -30,6 +34,10 @@ _HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline';"
     " style-src 'self' 'unsafe-inline'; img-src 'self' data:",
 }
+
+
+# How long /healthz waits for the status: a store or a loop slower than this is unhealthy.
+HEALTH_WITHIN_S = 5.0
 
 
 class StatusSite:
@@ -48,6 +56,7 @@ class StatusSite:
         app.router.add_get("/", self._page)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/api/status", self._status)
+        app.router.add_get("/healthz", self._health)
         return app
 
     async def start(self, host: str, port: int) -> None:
@@ -65,6 +74,9 @@ class StatusSite:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/healthz":
+            probed: web.StreamResponse = await handler(request)  # no token, and no data
+            return probed
         given = request.query.get("token", "")
         header = request.headers.get("Authorization", "")
         if header.startswith("Bearer "):
@@ -101,6 +113,16 @@ class StatusSite:
             }
         )
         return web.Response(body=orjson.dumps(status, default=str), content_type="application/json")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        try:
+            status = await asyncio.wait_for(self.server.describe(), HEALTH_WITHIN_S)
+        except Exception:
+            found = ["the store did not answer"]
+        else:
+            found = health.problems(status)
+        text = "ok\n" if not found else "unhealthy: " + "; ".join(found) + "\n"
+        return web.Response(status=503 if found else 200, text=text, headers=_HEADERS)
 
     async def _page(self, request: web.Request) -> web.Response:
         return web.Response(text=self._page_text, content_type="text/html")
