@@ -1,4 +1,5 @@
-"""The `queryqueue` command: demo, supervisor, status, health, sql, cancel, inspect."""
+"""The `queryqueue` command: demo, supervisor, status, health, reload, sql, cancel,
+inspect."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def _main(argv: list[str] | None) -> int:
             return _inspect(parser, args)
         if args.command == "health":
             return asyncio.run(_health(socket_path, args.within))
+        if args.command == "reload":
+            return asyncio.run(_reload(socket_path))
         if args.command == "cancel":
             if (args.key is None) == (args.request_id is None):
                 parser.error("cancel takes a KEY or --request-id ID")
@@ -323,6 +326,22 @@ async def _health(socket_path: Path, within: float) -> int:
         print(f"unhealthy: {'; '.join(found)}", file=sys.stderr)
         return 1
     print("healthy")
+    return 0
+
+
+async def _reload(socket_path: Path) -> int:
+    """SIGHUP to the supervisor serving `socket_path` (its pid from its own status)."""
+    import signal
+
+    from queryqueue.driver_socket.client import SocketQueueDriver
+
+    driver = SocketQueueDriver(socket_path, reconnect_timeout=1.0)
+    try:
+        pid = int((await driver.stats())["pid"])
+    finally:
+        await driver.close()
+    os.kill(pid, signal.SIGHUP)
+    print(f"asked the supervisor (pid {pid}) to reload its app: its log says how it went")
     return 0
 
 

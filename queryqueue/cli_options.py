@@ -61,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
         _supervisor_command,
         _status_command,
         _health_command,
+        _reload_command,
         _sql_command,
         _cancel_command,
         _inspect_command,
@@ -347,6 +348,16 @@ def _health_command(commands: Any) -> None:
         "--within", type=float, default=5.0, metavar="S", help="how long to wait for an answer"
     )
     _socket_option(health)
+
+
+def _reload_command(commands: Any) -> None:
+    reload = commands.add_parser(
+        "reload",
+        help="roll out new handler code: workers finish what they hold and are replaced by"
+        " ones that import it (refused, old workers kept, if it does not import)",
+        formatter_class=_Help,
+    )
+    _socket_option(reload)
 
 
 def _sql_command(commands: Any) -> None:

@@ -21,10 +21,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,48 +57,11 @@ from queryqueue.supervisor.worker import (
     saturates,
     worker_main,
 )
+from queryqueue.supervisor.worker_state import Job, Worker
 
 _log = logging.getLogger("queryqueue.pool")
 SPAWN_RETRY_FIRST = 0.1
 SPAWN_RETRY_MAX = 5.0
-
-
-@dataclass(eq=False)
-class _Job:
-    queue_id: QueueId
-    path: str
-    blob: bytes  # the RetrievedQuery as the worker reads it (protocol.encode_retrieved)
-    removed_at: float | None = None  # when the supervisor saw the item gone from the queue
-    abandoned: bool = False
-    started_at: float | None = None  # loop time it was sent to a worker
-    timed_out: bool = False  # failed by the supervisor's own execution timeout
-    handler: str = ""
-    query_key: str = ""  # as its caller named it (the path has only its hash)
-    priority: int = 0
-    added_ms: float | None = None  # addedToQueueTime: epoch ms it was queued
-    sent_ms: float | None = None  # epoch ms it went to a worker
-    # time.monotonic() it went to a worker: the loop's time is in whole ms on uvloop, too
-    # coarse for a turnaround of a fraction of one (linger.py).
-    sent_at: float | None = None
-
-
-@dataclass(eq=False)
-class _Worker:
-    process: Any
-    conn: Any  # the supervisor's end of the worker's pipe
-    job: _Job | None = None
-    # Sent while a handler thread of its last query still ran (`_DRAINING`): it waits in
-    # the pipe, not started, until the thread ends.
-    next: _Job | None = None
-    # The query it ended last (its ACK committed): what the ACK's metrics describe.
-    finished: _Job | None = None
-    # Its query whose ACK is in a batch now committing (`WorkerPool.acking`): over for the
-    # worker, which may run its next meanwhile; ended once the ACK is answered.
-    acking: _Job | None = None
-    executed: int = 0
-    watchers: list[int] = field(default_factory=list)
-    retiring: bool = False  # asked to exit after max_tasks_per_worker
-    draining_since: float | None = None  # ran out of its query but a thread still runs it
 
 
 class WorkerPool:
@@ -141,18 +105,17 @@ class WorkerPool:
         self.cancel_grace = cancel_grace
         self.shm_threshold = shm_threshold
         self.max_memory_per_worker = max_memory_per_worker
-        self.terminated = 0
+        # What `describe` counts: workers killed, retired, replaced; queries handed over; reloads.
+        self.terminated = self.recycled = self.replaced = self.handed_off = self.reloads = 0
         # The last query handed over was retrieved with others pending: the queue is
         # saturated, and nobody waits long for its next message (no poll for one).
         self.saturated = False
-        self.recycled = 0
-        self.handed_off = 0
         self._context = context or multiprocess.get_context("spawn")
-        self._workers: list[_Worker] = []
-        self._backlog: deque[_Job] = deque()
+        self._workers: list[Worker] = []
+        self._backlog: deque[Job] = deque()
         self._heartbeats: asyncio.Task[None] | None = None
         self._stopping = False
-        self.replaced = 0
+        self.reload_error: str | None = None
         self._cancelling: set[asyncio.Task[None]] = set()
         # Where the cancel handlers the workers' watches carry (`_CANCEL_HANDLER`) go: the
         # server's next batch (set by the server whose socket the workers talk to).
@@ -222,6 +185,30 @@ class WorkerPool:
         self._backlog.clear()
         self._workers.clear()
 
+    async def reload(self) -> bool:
+        """Roll out new handler code: the app is imported afresh in a new interpreter
+        first, and only if that works every worker finishes what it holds and retires,
+        replaced by a new one that imports the new code. Nothing queued or running is
+        lost. False (logged, and in `describe`) when the new code does not load: the
+        workers go on with the old. The queue's options are read at start only."""
+        done = await asyncio.to_thread(_loads_afresh, self.app_ref)
+        if done.returncode != 0:
+            self.reload_error = (done.stderr.strip().splitlines() or ["it exited"])[-1]
+            _log.error(
+                "reload refused: %s does not load (%s); the workers go on with the code they have",
+                self.app_ref,
+                self.reload_error,
+            )
+            return False
+        self.reloads, self.reload_error = self.reloads + 1, None
+        retiring = [worker for worker in self._workers if not worker.retiring]
+        _log.warning(
+            "reloading %s: %d workers retire after what they hold", self.app_ref, len(retiring)
+        )
+        for worker in retiring:
+            self._retire(worker)
+        return True
+
     async def give_back(self) -> None:
         """After the stop (the server gone too): every item the pool held unfinished, or
         was handed while stopping, is pending again, for the next supervisor."""
@@ -264,51 +251,16 @@ class WorkerPool:
             "alive": len(self._workers),
             "spawn_failures": self.spawn_failures,
             "spawn_error": self.spawn_error,
-            "workers": [self._describe_worker(w) for w in self._workers],
+            "workers": [w.describe(asyncio.get_running_loop().time()) for w in self._workers],
             "backlog": self.backlog,
             "handed_off": self.handed_off,
             "replaced": self.replaced,
             "terminated": self.terminated,
             "recycled": self.recycled,
             "reclaimed": len(self.takeback.reclaimed),
+            "reloads": self.reloads,
+            "reload_error": self.reload_error,
             "reconciles": self.queue.reconcile_runs if self.queue is not None else 0,
-        }
-
-    def _describe_worker(self, worker: _Worker) -> dict[str, Any]:
-        """A worker as `queryqueue status` shows it: pid, state, RSS, what it runs."""
-        job = worker.job
-        state = (
-            "draining"
-            if worker.draining_since is not None
-            else "retiring"
-            if worker.retiring
-            else "busy"
-            if job is not None
-            else "idle"
-        )
-        try:
-            rss: int | None = int(psutil.Process(worker.process.pid).memory_info().rss)
-        except (psutil.Error, ValueError):
-            rss = None
-        running = None
-        if job is not None:
-            started = job.started_at
-            elapsed = None if started is None else asyncio.get_running_loop().time() - started
-            running = {
-                "path": job.path,
-                "queue_id": job.queue_id,
-                "handler": job.handler,
-                "query_key": job.query_key,
-                "priority": job.priority,
-                "running_s": None if elapsed is None else round(elapsed, 3),
-            }
-        return {
-            "pid": worker.process.pid,
-            "state": state,
-            "busy": job is not None,
-            "executed": worker.executed,
-            "rss": rss,
-            "running": running,
         }
 
     def _fill(self) -> None:
@@ -337,7 +289,7 @@ class WorkerPool:
         self._spawn_delay = SPAWN_RETRY_FIRST
         self._assign()
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self) -> Worker:
         parent, child = self._context.Pipe()
         try:
             process = self._context.Process(
@@ -364,7 +316,7 @@ class WorkerPool:
         # on wake-up; it gets its full share of the CPU otherwise.
         with contextlib.suppress(AttributeError, OSError):
             os.sched_setscheduler(process.pid, os.SCHED_BATCH, os.sched_param(0))
-        worker = _Worker(process, parent)
+        worker = Worker(process, parent)
         self._workers.append(worker)
         loop = asyncio.get_running_loop()
         loop.add_reader(parent.fileno(), self._on_message, worker)
@@ -372,7 +324,7 @@ class WorkerPool:
         worker.watchers = [parent.fileno(), process.sentinel]
         return worker
 
-    def _unwatch(self, worker: _Worker) -> None:
+    def _unwatch(self, worker: Worker) -> None:
         loop = asyncio.get_running_loop()
         for fd in worker.watchers:
             loop.remove_reader(fd)
@@ -440,7 +392,7 @@ class WorkerPool:
         added = query.get("addedToQueueTime")
         priority = query.get("priority")
         self._backlog.append(
-            _Job(
+            Job(
                 retrieved.queue_id,
                 path,
                 job_message(retrieved),
@@ -453,7 +405,7 @@ class WorkerPool:
         self.handed_off += 1
         self._assign()
 
-    def job(self, key: QueueKey) -> _Job | None:
+    def job(self, key: QueueKey) -> Job | None:
         """The job of an item this pool holds (waiting or running) or whose ACK just ended
         it, by id or path."""
         held = self._job(key)
@@ -469,7 +421,7 @@ class WorkerPool:
         """A job of this item waits here or runs (not one whose ACK ended it)."""
         return self._job(queue_id) is not None
 
-    def _job(self, key: QueueKey) -> _Job | None:
+    def _job(self, key: QueueKey) -> Job | None:
         for job in self._backlog:
             if key in (job.queue_id, job.path):
                 return job
@@ -541,18 +493,18 @@ class WorkerPool:
                 return True
         return False
 
-    def _finished(self, worker: _Worker) -> None:
+    def _finished(self, worker: Worker) -> None:
         self._ended(worker, worker.job)
         self._start_next(worker)
         self._assign()
 
-    def _ended(self, worker: _Worker, job: _Job | None) -> None:
+    def _ended(self, worker: Worker, job: Job | None) -> None:
         if job is not None:
             self.takeback.succeeded(job.path)  # it ran to its end
             worker.finished = job
         worker.executed += 1
 
-    def _start_next(self, worker: _Worker) -> None:
+    def _start_next(self, worker: Worker) -> None:
         """The worker's query is over: what was sent it meanwhile (`next`) is its job now,
         unless the worker is due to be retired (it then leaves after that one)."""
         worker.job, worker.next = worker.next, None
@@ -560,7 +512,7 @@ class WorkerPool:
             worker.job.started_at = asyncio.get_running_loop().time()
         self._retire_if_due(worker)
 
-    def _retire_if_due(self, worker: _Worker) -> None:
+    def _retire_if_due(self, worker: Worker) -> None:
         if self._due_to_retire(worker, quiet=False, done=0):
             self._retire(worker)
 
@@ -599,13 +551,13 @@ class WorkerPool:
         return (self._loop or asyncio.get_running_loop()).time()
 
     @staticmethod
-    def _takes(worker: _Worker) -> bool:
+    def _takes(worker: Worker) -> bool:
         # No is_alive() here (a waitpid per call, several per query): a dead worker leaves
         # `_workers` once its sentinel is read, and a hand-off sent to it before that fails
         # on its closed pipe and goes back to the backlog (`_assign`).
         return worker.job is None and worker.draining_since is None and not worker.retiring
 
-    def _on_message(self, worker: _Worker) -> None:
+    def _on_message(self, worker: Worker) -> None:
         try:
             message = worker.conn.recv_bytes()
         except (EOFError, OSError):
@@ -650,7 +602,7 @@ class WorkerPool:
             # Else about a query whose ACK was answered already: nothing left to do.
         self._assign()
 
-    def _due_to_retire(self, worker: _Worker, *, quiet: bool, done: int = 1) -> bool:
+    def _due_to_retire(self, worker: Worker, *, quiet: bool, done: int = 1) -> bool:
         """Whether the worker is retired once its job is done (`done`: that job is not
         counted in `executed` yet): at its task limit, or over its memory limit."""
         limit = self.max_tasks_per_worker
@@ -668,12 +620,12 @@ class WorkerPool:
             _log.info("worker %s uses %d bytes: recycled", worker.process.pid, rss)
         return True
 
-    def _retire(self, worker: _Worker) -> None:
+    def _retire(self, worker: Worker) -> None:
         worker.retiring = True
         with contextlib.suppress(OSError, ValueError):
             worker.conn.send_bytes(b"")
 
-    def _on_exit(self, worker: _Worker) -> None:
+    def _on_exit(self, worker: Worker) -> None:
         self._unwatch(worker)
         if worker not in self._workers:
             return  # handled already: an exited process's sentinel stays readable
@@ -715,7 +667,7 @@ class WorkerPool:
         workers that still run an item someone removed (cancelled, timed out, reaped), and
         enforce the execution timeout on workers that cannot enforce it themselves."""
         loop_time = asyncio.get_running_loop().time()
-        running: list[tuple[_Worker, _Job]] = []
+        running: list[tuple[Worker, Job]] = []
         for worker in list(self._workers):
             if await self._overdue(worker, loop_time):
                 continue
@@ -757,7 +709,7 @@ class WorkerPool:
                 self.terminated += 1
                 worker.process.kill()  # its exit handler replaces it
 
-    async def _overdue(self, worker: _Worker, loop_time: float) -> bool:
+    async def _overdue(self, worker: Worker, loop_time: float) -> bool:
         """A query past its execution timeout and the cancel grace: the worker did not stop
         it (stopped, stuck holding the GIL): fail it for every waiter with the timeout
         error, and terminate the worker (it is replaced)."""
@@ -803,3 +755,11 @@ def _shown_key(query_key: Any) -> str:
         return orjson.dumps(query_key).decode()[:200]
     except TypeError:
         return repr(query_key)[:200]
+
+
+def _loads_afresh(app_ref: str) -> subprocess.CompletedProcess[str]:
+    """Import the app in a new interpreter, in this process's directory, as a worker would."""
+    script = "import sys; from queryqueue.app import load_app; load_app(sys.argv[1])"
+    return subprocess.run(
+        [sys.executable, "-c", script, app_ref], capture_output=True, text=True, timeout=120
+    )

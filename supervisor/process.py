@@ -148,7 +148,7 @@ async def _serve_store(
     if shm_caps is not None:
         server.segments.max_total_bytes, server.segments.max_connection_bytes = shm_caps
     stop = stop or asyncio.Event()
-    unhandle = _handle_signals(stop)
+    unhandle = _handle_signals(stop, pool)
     started = False
     site = None
     try:
@@ -189,17 +189,24 @@ async def _until_stopped(stop: asyncio.Event, server: QueueServer) -> None:
             wait.cancel()
 
 
-def _handle_signals(stop: asyncio.Event) -> Callable[[], None]:
+def _handle_signals(stop: asyncio.Event, pool: WorkerPool | None) -> Callable[[], None]:
     """SIGTERM and SIGINT stop the supervisor gracefully (the handler only sets `stop`);
-    SIGHUP, which a terminal's hang-up or a reload sends, is logged and leaves it serving.
-    Returns what removes the handlers."""
+    SIGHUP reloads the pool's app (`WorkerPool.reload`), or is logged where there is no
+    pool. Returns what removes the handlers."""
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(
-        signal.SIGHUP,
-        lambda: _log.warning("SIGHUP ignored: the supervisor goes on serving (SIGTERM stops it)"),
-    )
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def hang_up() -> None:
+        if pool is None:
+            _log.warning("SIGHUP: no pool to reload; the supervisor goes on serving")
+            return
+        task = asyncio.ensure_future(pool.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, hang_up)
 
     def unhandle() -> None:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -459,8 +459,8 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
     stored (the worker reports it lost), or the worker die before that, its item is given
     back (its waiters ask again) with no death counted against it; the query it died
     running is reclaimed as any other."""
-    from queryqueue.supervisor import pool as pool_module
     from queryqueue.supervisor import worker as worker_module
+    from queryqueue.supervisor import worker_state
 
     store = MemoryQueueStore()
     pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
@@ -471,7 +471,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
         assert retrieved is not None and retrieved.id == ids[key]
 
     def job(key: str) -> Any:
-        return pool_module._Job(ids[key], f"p:{key}", key.encode())
+        return worker_state.Job(ids[key], f"p:{key}", key.encode())
 
     def outcome(key: str) -> Any:
         answer = store.result(ids[key])
@@ -481,7 +481,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
         return {key for key, queue_id in ids.items() if store.get(queue_id) is not None}
 
     pipe = _Pipe()
-    worker = pool_module._Worker(_Process(), pipe)
+    worker = worker_state.Worker(_Process(), pipe)
 
     def holds() -> tuple[str | None, str | None, str | None]:
         """What the worker runs, whose ACK is committing, what it ended last."""

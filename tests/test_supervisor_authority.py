@@ -1,5 +1,5 @@
 """The supervisor is the authority on the queues its pool runs: their concurrency is its
-app's, whatever a client's own QueueApp says; a signal meant for reloading does not stop
+app's, whatever a client's own QueueApp says; SIGHUP reloads its app instead of stopping
 it; and a caller whose supervisor is away fails within its own timeout, told where it
 looked."""
 
@@ -77,7 +77,8 @@ async def test_a_callers_concurrency_never_exceeds_the_supervisors_budget(
 async def test_sighup_leaves_the_supervisor_serving(pool: SupervisorProcess) -> None:
     os.kill(pool.pid, signal.SIGHUP)
     await wait_until(
-        lambda: "SIGHUP" in pool.log.read_text(), what="the supervisor's word on SIGHUP"
+        lambda: "reloading tests.apps.pool_app:app" in pool.log.read_text(),
+        what="the supervisor's word on SIGHUP",
     )
     driver = SocketQueueDriver(pool.socket_path)
     try:
