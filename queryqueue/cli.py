@@ -224,11 +224,19 @@ def _print_status(stats: dict[str, Any]) -> None:
             for w in pool["workers"]
         ]
         print(table(["worker", "state", "rss", "ran", "running", "for"], workers))
+    budget = (pool or {}).get("budget", {})  # the queue its pool runs: the supervisor's
+    prefixes = [*stats["prefixes"], *({"prefix": p} for p in budget if p not in _names(stats))]
     rows = [
-        [p["prefix"], p["pending"], p["active"], _age(p["oldest_age_ms"])]
-        for p in stats["prefixes"]
+        [
+            p["prefix"],
+            p.get("pending", 0),
+            p.get("active", 0),
+            budget.get(p["prefix"], "-"),
+            _age(p.get("oldest_age_ms")),
+        ]
+        for p in prefixes
     ]
-    print(table(["prefix", "pending", "active", "oldest"], rows))
+    print(table(["prefix", "pending", "active", "budget", "oldest"], rows))
     kinds = [
         [name, k["count"], k["errors"], k["p50_ms"], k["p99_ms"]]
         for name, k in stats["commands"].items()
@@ -343,6 +351,10 @@ async def _reload(socket_path: Path) -> int:
     os.kill(pid, signal.SIGHUP)
     print(f"asked the supervisor (pid {pid}) to reload its app: its log says how it went")
     return 0
+
+
+def _names(stats: dict[str, Any]) -> set[str]:
+    return {p["prefix"] for p in stats["prefixes"]}
 
 
 def _ms(seconds: float | None) -> int | None:

@@ -232,6 +232,7 @@ class _StateCollector(Collector):
             "queryqueue_long_polls", "Parked RESULT_BLOCKING waiters", store.get("waiters")
         )
         pool = status.get("pool") or {}
+        yield _budget(pool)
         yield _gauge("queryqueue_workers_alive", "Worker processes alive", pool.get("alive"))
         yield _gauge("queryqueue_workers_size", "Worker processes wanted", pool.get("size"))
         for name, doc, field in (
@@ -289,3 +290,13 @@ def _error_text(result: Any) -> str | None:
     except (orjson.JSONDecodeError, TypeError):
         return None
     return str(decoded.get("error"))[:500] if isinstance(decoded, dict) else None
+
+
+def _budget(pool: dict[str, Any]) -> GaugeMetricFamily:
+    """The concurrency of the queue the pool runs: the supervisor's, whatever callers send."""
+    gauge = GaugeMetricFamily(
+        "queryqueue_budget", "Concurrency of the queue the pool runs", labels=["prefix"]
+    )
+    for prefix, concurrency in (pool.get("budget") or {}).items():
+        gauge.add_metric([prefix], concurrency)
+    return gauge

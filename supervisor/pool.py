@@ -210,8 +210,7 @@ class WorkerPool:
         return True
 
     async def give_back(self) -> None:
-        """After the stop (the server gone too): every item the pool held unfinished, or
-        was handed while stopping, is pending again, for the next supervisor."""
+        """After the stop (the server gone too): what it held unfinished is pending again."""
         await self.takeback.requeue_unfinished()
 
     @property
@@ -261,6 +260,7 @@ class WorkerPool:
             "reloads": self.reloads,
             "reload_error": self.reload_error,
             "reconciles": self.queue.reconcile_runs if self.queue is not None else 0,
+            "budget": {self.queue.prefix: self.queue.concurrency} if self.queue else {},
         }
 
     def _fill(self) -> None:

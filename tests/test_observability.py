@@ -147,6 +147,7 @@ async def test_metrics_count_executions_and_dedup_hits_per_prefix(
     assert after[("queryqueue_fast_track_hits_total", (("prefix", "pool"),))] == 1
     assert after[dedup] >= 2  # the two callers that joined "shared"
     assert after[("queryqueue_workers_alive", ())] == 2
+    assert after[("queryqueue_budget", (("prefix", "pool"),))] == 2  # the supervisor's
     handler = (("handler", "sql"), ("prefix", "pool"))
     assert after[("queryqueue_run_seconds_count", handler)] == 5
     assert after[("queryqueue_wait_seconds_count", handler)] == 5

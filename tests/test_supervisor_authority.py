@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -164,3 +166,25 @@ async def test_a_stop_gives_back_what_ran_past_its_grace_for_the_next_supervisor
     trace = read_trace(workdir)
     for key in keys:  # killed once at the stop, run once (to its end) by the next
         assert [t[0] for t in trace if t[1] == key] == ["start", "start", "end"]
+
+
+async def test_status_shows_the_budget_of_the_queue_the_pool_runs(
+    pool: SupervisorProcess,
+) -> None:
+    driver = SocketQueueDriver(pool.socket_path)
+    try:
+        assert (await driver.stats())["pool"]["budget"] == {"pool": 2}
+    finally:
+        await driver.close()
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "queryqueue", "status", "--socket", str(pool.socket_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # a row for the pool's queue, with no item in it yet
+    assert shown.returncode == 0, shown.stderr
+    header = next(line for line in shown.stdout.splitlines() if line.startswith("prefix"))
+    row = next(line for line in shown.stdout.splitlines() if line.startswith("pool "))
+    cells = dict(zip(header.split(" | "), row.split(" | "), strict=True))
+    assert cells["budget"].strip() == "2"
