@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from queryqueue.engine.errors import InvalidCommandError
+
 _ARRAY_INDEX_LIMIT = 2**32 - 1
 
 
@@ -104,7 +106,10 @@ def _write(value: Any, out: list[str]) -> None:
             _write(item, out)
         out.append("]")
     else:
-        raise TypeError(f"query key part of type {type(value).__name__} has no JSON form")
+        raise InvalidCommandError(
+            f"a query key holds a {type(value).__name__}, which has no JSON form: build keys"
+            " of strings, numbers, booleans, None, lists and dicts"
+        )
 
 
 def _js_key_order(mapping: Mapping[Any, Any]) -> list[tuple[str, Any]]:

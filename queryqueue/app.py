@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import importlib
+import inspect
 import os
 import sys
 import weakref
@@ -40,7 +42,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class QueueApp:
     def __init__(self, prefix: str, **queue_options: Any) -> None:
-        """`queue_options`: QueryQueue's."""
+        """`queue_options`: QueryQueue's; a name it does not take is a `TypeError` here,
+        not at the first query."""
+        _check_options(queue_options)
         self.prefix = prefix
         self.queue_options = queue_options
         # Results' types, both ways: workers encode and callers decode with the same ones.
@@ -256,3 +260,13 @@ def load_app(reference: str) -> QueueApp:
             f"--app {reference}: {module_name}.{attribute} is {found}, not a QueueApp"
         )
     return app
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    known = set(inspect.signature(QueryQueue).parameters) - {"prefix"}
+    for name in options.keys() - known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = (
+            f": did you mean {close[0]!r}?" if close else f" (it takes {', '.join(sorted(known))})"
+        )
+        raise TypeError(f"QueueApp got an option QueryQueue does not take, {name!r}{hint}")

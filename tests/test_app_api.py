@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from queryqueue import InvalidCommandError, SocketQueueDriver
+from queryqueue import InvalidCommandError, QueueApp, SocketQueueDriver
 from tests.waiting import wait_until_sync
 
 MYMOD = textwrap.dedent(
@@ -319,3 +319,12 @@ def test_status_shows_the_workers_and_what_they_run(project: Project) -> None:
         if caller.poll() is None:
             caller.kill()
             caller.communicate(timeout=20)
+
+
+def test_an_option_queryqueue_does_not_take_is_refused_at_construction() -> None:
+    with pytest.raises(TypeError, match=r"'concurency': did you mean 'concurrency'\?"):
+        QueueApp("typo", concurency=4)
+    assert QueueApp("fine", concurrency=4, execution_timeout=30.0).queue_options == {
+        "concurrency": 4,
+        "execution_timeout": 30.0,
+    }

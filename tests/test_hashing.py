@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from queryqueue import hash_query_key
+from queryqueue import InvalidCommandError, hash_query_key
 from queryqueue.engine.hashing import js_json_stringify, stringified
 
 
@@ -54,8 +55,10 @@ def test_serialization_follows_javascript(value: object, javascript: str) -> Non
 
 
 def test_unserializable_key_is_a_clear_error() -> None:
-    with pytest.raises(TypeError, match="set"):
+    with pytest.raises(InvalidCommandError, match="holds a set, which has no JSON form"):
         hash_query_key({1, 2})
+    with pytest.raises(InvalidCommandError, match="holds a date"):
+        hash_query_key(["report", dt.date(2026, 12, 1)])
 
 
 _KEY_PARTS = st.recursive(
