@@ -104,7 +104,6 @@ def _supervisor(
         args.store or args.db,
         socket_path,
         event_loop=args.loop,
-        poll_s=args.poll_us / 1e6,
         schema=args.schema,
         synchronous=args.synchronous,
         tcp_port=args.tcp_port,
@@ -127,7 +126,6 @@ def _supervisor(
         workers=workers,
         cancel_grace=args.cancel_grace,
         stop_grace=args.stop_grace,
-        worker_poll_s=args.worker_poll_us / 1e6,
         max_tasks_per_worker=args.max_tasks_per_worker,
         max_worker_deaths=args.max_worker_deaths,
         max_memory_per_worker=(
@@ -155,9 +153,6 @@ def _checked(
         parser.error("--app and --workers go together")
     if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
         parser.error("--store takes a postgresql:// URL")
-    for option, value in (("--poll-us", args.poll_us), ("--worker-poll-us", args.worker_poll_us)):
-        if value < 0:
-            parser.error(f"{option} takes 0 (never poll) or more microseconds")
     try:
         loop_factory(args.loop)
     except LoopUnavailableError as exc:

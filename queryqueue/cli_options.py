@@ -10,7 +10,6 @@ from typing import Any
 
 from queryqueue.driver_socket.paths import SOCKET_ENV, default_socket_path
 from queryqueue.engine.version import package_version
-from queryqueue.supervisor.linger import POLL_S, WORKER_POLL_S
 from queryqueue.supervisor.logs import FORMAT_ENV, LEVEL_ENV, LEVELS
 from queryqueue.supervisor.loops import CHOICES
 from queryqueue.supervisor.settings import DEFAULT_STOP_GRACE
@@ -196,16 +195,6 @@ def _listening_options(sup: argparse.ArgumentParser) -> None:
         help="the TCP listener's secret (a 0600 file, made when missing; default: the "
         "socket's path + .token)",
     )
-    sup.add_argument(
-        "--poll-us",
-        "--ack-poll-us",
-        dest="poll_us",
-        type=int,
-        default=round(POLL_S * 1e6),
-        metavar="US",
-        help="when a worker's ACK or a caller's next command usually comes within this many"
-        " microseconds, the supervisor polls for it instead of sleeping (0: never; SQLite)",
-    )
 
 
 def _pool_options(sup: argparse.ArgumentParser) -> None:
@@ -234,14 +223,6 @@ def _pool_options(sup: argparse.ArgumentParser) -> None:
         default=1024,
         metavar="KB",
         help="results of at least KB kilobytes travel through shared memory (0: never)",
-    )
-    sup.add_argument(
-        "--worker-poll-us",
-        type=int,
-        default=round(WORKER_POLL_S * 1e6),
-        metavar="US",
-        help="when a worker's next query usually comes within this many microseconds of its"
-        " last ACK, the worker polls for it instead of sleeping (0: never)",
     )
 
 

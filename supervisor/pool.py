@@ -42,8 +42,8 @@ from queryqueue.engine.responses import QueueId, QueueKey
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import loops
-from queryqueue.supervisor.linger import WORKER_POLL_S
 from queryqueue.supervisor.loops import LoopChoice
+from queryqueue.supervisor.settings import Settings
 from queryqueue.supervisor.takeback import TakeBack
 from queryqueue.supervisor.watch import CANCEL as _CANCEL
 from queryqueue.supervisor.watch import CANCEL_HANDLER as _CANCEL_HANDLER
@@ -80,7 +80,7 @@ class WorkerPool:
         max_worker_deaths: int = 3,
         event_loop: LoopChoice = "auto",
         context: Any = None,
-        worker_poll_s: float = WORKER_POLL_S,
+        worker_poll_s: float = Settings.worker_poll_s,
     ) -> None:
         if workers < 1:
             raise ValueError("a pool needs at least one worker")

@@ -14,11 +14,10 @@ from queryqueue.driver_sqlite.store import SqliteQueueStore, Synchronous
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import guard, loops
-from queryqueue.supervisor.linger import POLL_S
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import Limits, QueueServer
-from queryqueue.supervisor.settings import DEFAULT_STOP_GRACE
+from queryqueue.supervisor.settings import DEFAULT_STOP_GRACE, Settings
 
 _log = logging.getLogger("queryqueue.supervisor")
 
@@ -64,7 +63,7 @@ async def serve(
     workers: int = 0,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
-    poll_s: float = POLL_S,
+    settings: Settings | None = None,
     stop_grace: float = DEFAULT_STOP_GRACE,
     **pool_options: Any,
 ) -> None:
@@ -72,7 +71,8 @@ async def serve(
     queries get `stop_grace` seconds to finish, and what does not is pending again.
 
     `pool_options` go to `WorkerPool` (event_loop, cancel_grace, max_tasks_per_worker,
-    max_memory_per_worker, shm_threshold, worker_poll_s)."""
+    max_memory_per_worker, shm_threshold); `settings`, the
+    supervisor's timings."""
     socket_path = Path(socket_path)
     guard.private_directory(socket_path.parent)
     token = None
@@ -99,7 +99,7 @@ async def serve(
             workers=workers,
             ready=ready,
             stop=stop,
-            poll_s=poll_s,
+            settings=settings or Settings(),
             stop_grace=stop_grace,
             **pool_options,
         )
@@ -126,27 +126,14 @@ async def _serve_store(
     workers: int,
     ready: asyncio.Event | None,
     stop: asyncio.Event | None,
-    poll_s: float,
+    settings: Settings,
     stop_grace: float,
     **pool_options: Any,
 ) -> None:
-    pool = (
-        WorkerPool(app, socket_path, store, workers=workers, **pool_options)
-        if app and workers > 0
-        else None
-    )
-    server = QueueServer(
-        store,
-        socket_path,
-        tcp_host="127.0.0.1" if tcp_port is not None else None,
-        tcp_port=tcp_port,
-        tcp_token=token if tcp_port is not None else None,
-        pool=pool,
-        limits=limits,
-        poll_s=poll_s,
-    )
-    if shm_caps is not None:
-        server.segments.max_total_bytes, server.segments.max_connection_bytes = shm_caps
+    server, pool = _server_and_pool(
+        store, socket_path, tcp_port=tcp_port, token=token, limits=limits, settings=settings,
+        shm_caps=shm_caps, app=app, workers=workers, pool_options=pool_options,
+    )  # fmt: skip
     stop = stop or asyncio.Event()
     unhandle = _handle_signals(stop, pool)
     started = False
@@ -177,6 +164,40 @@ async def _serve_store(
         store.close()
     if server.failure is not None:
         raise StoreError(f"the queue store failed: {server.failure}")
+
+
+def _server_and_pool(
+    store: QueueStore,
+    socket_path: Path,
+    *,
+    tcp_port: int | None,
+    token: str | None,
+    limits: Limits | None,
+    settings: Settings,
+    shm_caps: tuple[int, int] | None,
+    app: str | None,
+    workers: int,
+    pool_options: dict[str, Any],
+) -> tuple[QueueServer, WorkerPool | None]:
+    pool = None
+    if app and workers > 0:
+        pool = WorkerPool(
+            app, socket_path, store, workers=workers, worker_poll_s=settings.worker_poll_s,
+            **pool_options,
+        )  # fmt: skip
+    server = QueueServer(
+        store,
+        socket_path,
+        tcp_host="127.0.0.1" if tcp_port is not None else None,
+        tcp_port=tcp_port,
+        tcp_token=token if tcp_port is not None else None,
+        pool=pool,
+        limits=limits,
+        settings=settings,
+    )
+    if shm_caps is not None:
+        server.segments.max_total_bytes, server.segments.max_connection_bytes = shm_caps
+    return server, pool
 
 
 async def _until_stopped(stop: asyncio.Event, server: QueueServer) -> None:

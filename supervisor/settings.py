@@ -1,8 +1,51 @@
-"""The supervisor's defaults that its command line shows and its process uses, in one place
-(imported by `queryqueue --help` without loading the server)."""
+"""The supervisor's settings in one place: what its command line sets, and the timings its
+core was tuned with (imported by `queryqueue --help` without loading the server)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+from queryqueue.driver_socket.protocol import DEFAULT_MAX_FRAME
 
 # How long a stopping supervisor lets running queries finish before it ends their workers
 # and gives their items back (pending again): under Docker's 10 s and Kubernetes' 30 s.
 DEFAULT_STOP_GRACE = 5.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the supervisor batches and paces its work. Its timings are here, none of them
+    a command-line flag: each is kept for a gain `python -m benchmarks.ab` shows."""
+
+    max_frame: int = DEFAULT_MAX_FRAME  # bytes of one request or answer frame
+    max_batch: int = 512  # commands in one transaction
+    purge_interval: float = 10.0  # seconds between purges of an idle queue's expired results
+    # How long an ADD for a pool whose budget is held may wait for the batch of the ACK
+    # that frees its slot (core/inbox.py). 0: never held.
+    hold_adds_s: float = 0.002
+    # An ADD's answer waits at most this long for its pipelined long poll's, to leave in
+    # one write (connection.py `defer`). 0: never deferred.
+    defer_add_answers_s: float = 0.005
+    # When the pool's queries usually come back within this long of their hand-off, the
+    # loop polls for their ACKs rather than sleep (core/linger.py `ack_due`), and for
+    # callers' next commands when those usually follow their answers as soon (`Gap`):
+    # about what a sleep and a wake-up cost on a VM whose idle vCPU halts, so that a
+    # longer wait is never polled for. 0: never polls.
+    poll_s: float = 0.0003
+    # A worker polls for its next query when that usually comes within this long of its
+    # last ACK: the supervisor's answer, its caller's next command and its ADD lie between.
+    worker_poll_s: float = 0.001
+
+    def __post_init__(self) -> None:
+        for name in (
+            "purge_interval",
+            "hold_adds_s",
+            "defer_add_answers_s",
+            "poll_s",
+            "worker_poll_s",
+        ):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must be 0 (off) or more, not {value!r}")
+        if self.max_batch < 1 or self.max_frame < 1:
+            raise ValueError("max_batch and max_frame must be 1 or more")

@@ -23,7 +23,7 @@ from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.supervisor import logs, loops
-from queryqueue.supervisor.linger import Gap
+from queryqueue.supervisor.core.linger import Gap
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.watch import CANCEL, CANCEL_HANDLER, DRAINING, TIMED_OUT, WorkerWatch
 

@@ -10,7 +10,7 @@ from queryqueue import MemoryQueueStore, QueueStore
 from queryqueue.driver_postgres.store import PostgresQueueStore
 from queryqueue.driver_socket import link, protocol
 from queryqueue.engine.commands import served, table
-from queryqueue.supervisor import server
+from queryqueue.supervisor.core import requests
 
 T = TypeVar("T")
 
@@ -23,7 +23,7 @@ def test_every_served_command_is_a_store_method_with_a_decoder() -> None:
     for name in commands:
         assert callable(getattr(QueueStore, name)), name
         assert name in protocol.DECODERS, name
-    assert commands == server.COMMANDS
+    assert commands == requests.COMMANDS
     assert not table()["describe"].served
 
 

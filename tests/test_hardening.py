@@ -20,6 +20,7 @@ import pytest
 from queryqueue import AuthenticationError, MemoryQueueStore, SocketQueueDriver, SqliteQueueStore
 from queryqueue.driver_socket.protocol import read_frame
 from queryqueue.supervisor.server import Limits, QueueServer
+from queryqueue.supervisor.settings import Settings
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
 from tests.waiting import wait_until, wait_until_sync
 
@@ -234,7 +235,7 @@ async def test_a_client_that_does_not_read_is_not_read_either_and_loses_nothing(
         requests = b"".join(_request(i, "get", "p:k") for i in range(count))
         sending = asyncio.ensure_future(asyncio.to_thread(slow.sendall, requests))
         await wait_until(lambda: server.stats.throttled >= 1, what="throttled")
-        (connection,) = list(server._connections)
+        (connection,) = list(server.connections)
         assert connection.buffered() <= limits.high_water + 40 * 25_000
         # Everyone else is served meanwhile.
         other = SocketQueueDriver(server.socket_path)
@@ -261,7 +262,7 @@ async def test_a_client_that_never_reads_past_the_hard_limit_is_cut_off(workdir:
         await asyncio.to_thread(
             hog.sendall, b"".join(_request(i, "get", "p:k") for i in range(100))
         )
-        await wait_until(lambda: not server._connections, what="the hog cut off")
+        await wait_until(lambda: not server.connections, what="the hog cut off")
         other = SocketQueueDriver(server.socket_path)
         assert await other.ping() == "pong"
         await other.close()
@@ -298,7 +299,7 @@ async def test_an_idle_queue_purges_its_expired_results_on_a_timer(
         if kind == "memory"
         else SqliteQueueStore(tmp_path / "q.db", result_ttl_ms=50)
     )
-    server = QueueServer(store, workdir / "s.sock", purge_interval=0.05)
+    server = QueueServer(store, workdir / "s.sock", settings=Settings(purge_interval=0.05))
     await server.start()
     try:
         added = store.add("p:k", "{}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import sqlite3
 import time
@@ -19,10 +20,16 @@ from queryqueue import MemoryQueueStore, QueueError, SqliteQueueStore
 from queryqueue.driver_socket import protocol
 from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.driver_socket.deadlines import Deadlines
-from queryqueue.supervisor import server as server_module
+from queryqueue.supervisor import answering
+from queryqueue.supervisor.answering import Answers
+from queryqueue.supervisor.connection import Connection
+from queryqueue.supervisor.core import requests
+from queryqueue.supervisor.core.requests import Request
+from queryqueue.supervisor.loop_runner import LoopRunner
 from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.settings import Settings
 from tests.recording import record_calls
 from tests.sqlite_util import committed
 from tests.trace import read_trace
@@ -117,7 +124,7 @@ async def test_an_ack_answers_every_poll_it_wakes_with_one_encoding(
 ) -> None:
     """A dedup storm's waiters: each gets the answer under its own request id, and the
     answer is encoded once for all of them."""
-    encoded = record_calls(monkeypatch, server_module, "encode_body")
+    encoded = record_calls(monkeypatch, answering, "encode_body")
     callers = [SocketQueueDriver(server.socket_path) for _ in range(3)]
     try:
         added = await callers[0].add("p:k", orjson.dumps({"q": 1}).decode())
@@ -204,13 +211,13 @@ async def pooled(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 def _record_batches(server: QueueServer, monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
     """The commands of each batch the server answers, as (method, first argument)."""
     batches: list[list[Any]] = []
-    answer_batch = server._answer_batch
+    answer_batch = server.answers.answer_batch
 
     def recording(batch: list[Any], answers: list[Any], **options: Any) -> None:
         batches.append([(r.method, r.args[0] if r.args else None) for r in batch])
         answer_batch(batch, answers, **options)
 
-    monkeypatch.setattr(server, "_answer_batch", recording)
+    monkeypatch.setattr(server.answers, "answer_batch", recording)
     return batches
 
 
@@ -253,7 +260,7 @@ async def test_a_fast_tracked_query_lists_nothing_for_the_pool_in_its_own_batch(
     listing for the pool (the ACK's batch still looks: it cannot know)."""
     from tests.apps.pool_app import app
 
-    retrievals = record_calls(monkeypatch, pooled, "_retrieve_for_pool")
+    retrievals = record_calls(monkeypatch, pooled.transaction, "retrieve_for_pool")
     driver = SocketQueueDriver(pooled.socket_path)
     queue = app.pool_queue(driver, continue_wait_timeout=10.0)
     try:
@@ -275,7 +282,7 @@ async def test_a_fast_tracked_hand_off_leaves_before_its_batchs_answers(
     would wait for that answer (the queued path's retrieval never did)."""
     assert pooled.pool is not None
     prefix, order = pooled.pool.prefix, []
-    submit, queue_frame = pooled.pool.submit, server_module._Connection._queue
+    submit, queue_frame = pooled.pool.submit, Connection._queue
 
     def submitting(prefix: str, retrieved: Any) -> None:
         order.append(("hand-off", retrieved.queue_id))
@@ -286,7 +293,7 @@ async def test_a_fast_tracked_hand_off_leaves_before_its_batchs_answers(
         queue_frame(connection, frame, **options)
 
     monkeypatch.setattr(pooled.pool, "submit", submitting)
-    monkeypatch.setattr(server_module._Connection, "_queue", queueing)
+    monkeypatch.setattr(Connection, "_queue", queueing)
     batches = _record_batches(pooled, monkeypatch)
     definition = orjson.dumps({"queryHandler": "sql", "query": {"key": "u", "seconds": 0}})
     caller = SocketQueueDriver(pooled.socket_path)
@@ -346,7 +353,7 @@ async def test_a_batch_run_again_with_savepoints_leaves_no_long_poll_of_its_firs
 
 def _request(connection: object, method: str, n: int) -> Any:
     """A bare request of `connection`'s, its id and argument `n`: for the batch orders."""
-    return server_module._Request(connection, n, method, [n], {}, None, 0.0)  # type: ignore[arg-type]
+    return Request(connection, n, method, [n], {}, None, 0.0)
 
 
 def test_a_batch_runs_the_acks_connections_last_on_a_lane_and_first_on_the_loop() -> None:
@@ -364,18 +371,18 @@ def test_a_batch_runs_the_acks_connections_last_on_a_lane_and_first_on_the_loop(
         _request(caller, "result_blocking", 5),
         _request(worker, "add", 6),
     ]
-    last, first = server_module._acks_last(batch), server_module._acks_first(batch)
+    last, first = requests.acks_last(batch), requests.acks_first(batch)
     assert [r.id for r in last] == [2, 5, 1, 3, 4, 6]
     assert [r.id for r in first] == [1, 3, 4, 6, 2, 5]
     assert sorted(r.id for r in last) == sorted(r.id for r in first) == [r.id for r in batch]
-    assert server_module._acking_end(first) == 4 and server_module._acking_end(last) == -1
-    assert server_module._acks_first(first) is first
+    assert requests.acking_end(first) == 4 and requests.acking_end(last) == -1
+    assert requests.acks_first(first) is first
     no_ack = [_request(caller, "add", 1), _request(other, "add", 2)]
     only_acking = [_request(worker, "ack", 1), _request(other, "add", 2), _request(other, "ack", 3)]
     for unchanged in (no_ack, only_acking):
-        assert server_module._acks_last(unchanged) is unchanged
-        assert server_module._acks_first(unchanged) is unchanged
-        assert server_module._acking_end(unchanged) == -1  # none lead, or nothing after
+        assert requests.acks_last(unchanged) is unchanged
+        assert requests.acks_first(unchanged) is unchanged
+        assert requests.acking_end(unchanged) == -1  # none lead, or nothing after
 
 
 async def test_a_lanes_batch_wakes_its_waiters_on_the_loop_with_its_answers(
@@ -454,7 +461,7 @@ async def _told_lane(
     pool = WorkerPool(f"tests.apps.pool_app:{app}", workdir / "s.sock", store, workers=workers)
     server = QueueServer(store, workdir / "s.sock", pool=pool)
     told = _Told()
-    monkeypatch.setattr(server.linger, "awaited", told.awaited_for)
+    monkeypatch.setattr(server.runner.linger, "awaited", told.awaited_for)
     await server.start()
     caller = SocketQueueDriver(server.socket_path)
     try:
@@ -463,7 +470,7 @@ async def _told_lane(
     finally:
         await caller.close()
         await pool.stop(grace=0)
-        if not server._stopping:  # a test may have stopped it
+        if not server.stopping:  # a test may have stopped it
             await server.stop()
         store.close()
 
@@ -521,13 +528,8 @@ async def test_a_batch_waits_for_the_ack_it_was_told_of_and_runs_with_it(
 
 def _idle(server: QueueServer, prefix: str | None) -> bool:
     """No batch of `prefix` lingers, runs or waits: on a lane (a lane lingers only while
-    its route is in `_lane_queued`), or in the loop's turn."""
-    return (
-        prefix not in server._lane_queued
-        and server._awaited_acks is None
-        and server._turn is None
-        and not server._inbox
-    )
+    its route is queued), or in the loop's turn."""
+    return server.runner.idle(prefix)
 
 
 async def _lingering_for_long(
@@ -540,7 +542,7 @@ async def _lingering_for_long(
     await _started(workdir, 1)
     told.awaited, told.until = {long.id}, 60.0
     adding = asyncio.ensure_future(caller.add(f"{prefix}:next", _sql("next", 0)))
-    await wait_until(lambda: bool(server._lingering or server._awaited_acks))
+    await wait_until(server.runner.waiting_for_acks)
     return prefix, long, adding
 
 
@@ -557,7 +559,8 @@ async def test_on_sqlite_a_turn_never_lingers_while_a_worker_is_idle(
         # after it (the second query's ACK, with both workers busy) may linger, and may
         # do so before this test reads anything.
         lingered: list[bool] = []
-        lingers, add = server._lingers, server.store.add
+        runner = _on_loop(server)
+        lingers, add = runner.lingers, server.store.add
         decided_by_add: list[int] = []
 
         def deciding() -> bool:
@@ -568,7 +571,7 @@ async def test_on_sqlite_a_turn_never_lingers_while_a_worker_is_idle(
             decided_by_add.append(len(lingered))
             return add(*args, **kwargs)
 
-        monkeypatch.setattr(server, "_lingers", deciding)
+        monkeypatch.setattr(runner, "lingers", deciding)
         monkeypatch.setattr(server.store, "add", adding)
         told.until = 60.0
         second = await asyncio.wait_for(caller.add(f"{prefix}:second", _sql("second", 0)), 3)
@@ -699,28 +702,29 @@ async def test_an_acks_woken_long_poll_is_written_before_its_workers_ack_answer(
     unwritten: dict[int, list[str]] = {}  # id(connection) -> methods answered, not written
     written: list[tuple[str, int]] = []  # (method, loop iteration), in the order written
     iteration, counting = [0], [True]
-    answer, flush = QueueServer._answer, server_module._Connection.flush
+    answer, flush = Answers.answer, Connection.flush
 
-    def answering(server: QueueServer, request: Any, *args: Any, **options: Any) -> None:
+    def answering(answers: Answers, request: Any, *args: Any, **options: Any) -> None:
         unwritten.setdefault(id(request.connection), []).append(request.method)
-        answer(server, request, *args, **options)
+        answer(answers, request, *args, **options)
 
     def flushing(connection: Any) -> None:
         if connection.outbox:
             written.extend((m, iteration[0]) for m in unwritten.pop(id(connection), []))
         flush(connection)
 
-    monkeypatch.setattr(QueueServer, "_answer", answering)
-    monkeypatch.setattr(server_module._Connection, "flush", flushing)
+    monkeypatch.setattr(Answers, "answer", answering)
+    monkeypatch.setattr(Connection, "flush", flushing)
     if pass_pending:
-        execute_turn = QueueServer._execute_turn
+        execute_turn = LoopRunner.execute_turn
 
-        def after_a_pass(server: QueueServer) -> None:
-            if any(r.method == "ack" for r in server._inbox) and server._connections:
-                server._flush_soon(next(iter(server._connections)))  # nothing to write
-            execute_turn(server)
+        def after_a_pass(runner: LoopRunner) -> None:
+            server = runner.server
+            if any(r.method == "ack" for r in server.inbox.queued) and server.connections:
+                server.flush_soon(next(iter(server.connections)))  # nothing to write
+            execute_turn(runner)
 
-        monkeypatch.setattr(QueueServer, "_execute_turn", after_a_pass)
+        monkeypatch.setattr(LoopRunner, "execute_turn", after_a_pass)
     loop = asyncio.get_running_loop()
 
     def count_iterations() -> None:
@@ -758,18 +762,18 @@ async def test_a_worker_starts_its_next_query_before_its_last_acks_answer(
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     held: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-    answer = QueueServer._answer
+    answer = Answers.answer
 
-    def holding_the_first_ack(server: QueueServer, request: Any, *args: Any, **kw: Any) -> None:
+    def holding_the_first_ack(answers: Answers, request: Any, *args: Any, **kw: Any) -> None:
         if request.method == "ack" and not held:
             held.append((request, args, kw))
             return
-        answer(server, request, *args, **kw)
+        answer(answers, request, *args, **kw)
 
     def started() -> list[str]:
         return [t[1] for t in read_trace(workdir) if t[0] == "start"]
 
-    monkeypatch.setattr(QueueServer, "_answer", holding_the_first_ack)
+    monkeypatch.setattr(Answers, "answer", holding_the_first_ack)
     async with pool_server(SqliteQueueStore(tmp_path / "q.db"), workdir, workers=1) as (
         server,
         pool,
@@ -782,7 +786,7 @@ async def test_a_worker_starts_its_next_query_before_its_last_acks_answer(
         await wait_until(lambda: held, what="the first ACK")
         await wait_until(lambda: len(started()) == 2, what=f"the next start: {started()}")
         request, args, kw = held[0]
-        answer(server, request, *args, **kw)
+        answer(server.answers, request, *args, **kw)
         values = await asyncio.gather(*runs)
         assert sorted(v["key"] for v in values) == ["a", "b"]
         assert len({v["pid"] for v in values}) == 1
@@ -847,7 +851,8 @@ async def test_on_sqlite_an_acks_freed_slot_is_filled_before_the_rest_of_its_bat
             await caller.add(f"{prefix}:long", _sql("long", 30))
             await caller.add(f"{prefix}:queued", _sql("queued", 0))
             await _started(workdir, 2)
-            submit, add, execute_turn = pool.submit, store.add, server._execute_turn
+            runner = _on_loop(server)
+            submit, add, execute_turn = pool.submit, store.add, runner.execute_turn
 
             def submitting(to: str, retrieved: Any) -> None:
                 order.append(("hand-off", retrieved.query["query"]["key"]))
@@ -861,22 +866,22 @@ async def test_on_sqlite_an_acks_freed_slot_is_filled_before_the_rest_of_its_bat
 
             def held_turn() -> None:  # the turn runs once both have arrived
                 if held[0]:
-                    server._turn = None
+                    runner.turn = None
                 else:
                     execute_turn()
 
             monkeypatch.setattr(pool, "submit", submitting)
             monkeypatch.setattr(store, "add", adding)
-            monkeypatch.setattr(server, "_execute_turn", held_turn)
+            monkeypatch.setattr(runner, "execute_turn", held_turn)
             assert [r.id for r in store.pending(prefix)] == ["queued"]  # first still runs
             adding_later = asyncio.ensure_future(
                 caller.add(f"{prefix}:later", _sql("later", 0), priority=priority)
             )
-            inbox = server._inbox  # the running workers' heartbeats may be there too
+            inbox = server.inbox.queued  # the running workers' heartbeats may be there too
             await wait_until(lambda: "add" in [r.method for r in inbox], what=str(inbox))
             await wait_until(lambda: "ack" in [r.method for r in inbox], what=str(inbox))
             held[0] = False
-            server._schedule_turn()
+            runner.schedule()
             assert (await asyncio.wait_for(adding_later, 10)).added
             await wait_until(lambda: len(order) == 3, what=str(order))
             await wait_until(lambda: len(_starts(workdir)) == 4, what=str(read_trace(workdir)))
@@ -915,14 +920,16 @@ async def test_on_sqlite_the_loop_polls_for_a_due_ack_until_it_arrives(
     from the turn that handed its query off; the ACK's arrival ends the poll at once,
     not the minute, and with no query left running no other starts."""
     async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
-        monkeypatch.setattr(server.linger, "ack_due", _DueFor(60.0))
+        monkeypatch.setattr(server.runner.linger, "ack_due", _DueFor(60.0))
         prefix = server.pool.prefix if server.pool is not None else ""
         added = await caller.add(f"{prefix}:quick", _sql("quick", 0.2))
         # The turn that handed it off polls from its end, before its answer was written.
-        assert server._polling.on and server._polling.until > time.monotonic() + 30
+        assert (
+            _on_loop(server).polling.on and _on_loop(server).polling.until > time.monotonic() + 30
+        )
         result = await caller.result_blocking(f"{prefix}:quick", 30_000)
         assert result is not None and added.added
-        await wait_until(lambda: not server._polling.on, within=10)
+        await wait_until(lambda: not _on_loop(server).polling.on, within=10)
 
 
 async def test_on_sqlite_a_poll_for_an_ack_ends_when_it_is_overdue(
@@ -931,11 +938,11 @@ async def test_on_sqlite_a_poll_for_an_ack_ends_when_it_is_overdue(
     """An ACK that does not come when due: the loop stops polling at the deadline and
     sleeps again while the query runs on."""
     async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
-        monkeypatch.setattr(server.linger, "ack_due", _DueFor(0.2))
+        monkeypatch.setattr(server.runner.linger, "ack_due", _DueFor(0.2))
         prefix = server.pool.prefix if server.pool is not None else ""
         await caller.add(f"{prefix}:long", _sql("long", 30))
-        assert server._polling.on
-        await wait_until(lambda: not server._polling.on, within=10)
+        assert _on_loop(server).polling.on
+        await wait_until(lambda: not _on_loop(server).polling.on, within=10)
         assert server.pool is not None and server.pool.running()  # still running
         assert not [t for t in read_trace(workdir) if t[:2] == ["end", "long"]]
 
@@ -958,18 +965,18 @@ async def test_on_sqlite_the_loop_does_not_poll_while_its_pools_queue_is_saturat
     for its next message: the loop polls neither for ACKs nor for callers' commands (its
     polls' yields gave the CPU away while it was the bottleneck), however due they are."""
     async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
-        monkeypatch.setattr(server.linger, "ack_due", _DueFor(60.0))
-        monkeypatch.setattr(server._next_command, "poll_until", _NextIn(60.0))
+        monkeypatch.setattr(server.runner.linger, "ack_due", _DueFor(60.0))
+        monkeypatch.setattr(_on_loop(server).next_command, "poll_until", _NextIn(60.0))
         prefix = server.pool.prefix if server.pool is not None else ""
         for key, seconds in (("short", 0.05), ("long", 30), ("third", 30), ("fourth", 30)):
             await caller.add(f"{prefix}:{key}", _sql(key, seconds))
         # "short" ends, and its slot's next ("third") is handed over with "fourth" pending.
         await _started(workdir, 3)
         assert server.pool is not None and server.pool.saturated
-        await wait_until(lambda: not server._polling.on, within=10)
-        assert server._polling.until == 0.0  # no turn or answer since polled again
+        await wait_until(lambda: not _on_loop(server).polling.on, within=10)
+        assert _on_loop(server).polling.until == 0.0  # no turn or answer since polled again
         await caller.add(f"{prefix}:fifth", _sql("fifth", 30))  # answered: still no poll
-        assert server._polling.until == 0.0 and server.pool.saturated
+        assert _on_loop(server).polling.until == 0.0 and server.pool.saturated
 
 
 @pytest.mark.parametrize("poll_s", [0.0, None])
@@ -978,17 +985,17 @@ async def test_on_sqlite_the_loop_never_polls_when_told_not_to_or_nothing_is_due
 ) -> None:
     async with _told_lane(workdir, monkeypatch, "sqlite", ("app", 2)) as (server, _, caller, _):
         if poll_s is None:  # polling on, but no ACK nor next command is due soon
-            monkeypatch.setattr(server.linger, "ack_due", _DueFor(None))
-            monkeypatch.setattr(server._next_command, "poll_until", _NextIn(None))
+            monkeypatch.setattr(server.runner.linger, "ack_due", _DueFor(None))
+            monkeypatch.setattr(_on_loop(server).next_command, "poll_until", _NextIn(None))
         else:
-            server.poll_s = poll_s
-            monkeypatch.setattr(server.linger, "ack_due", _DueFor(60.0))
-            monkeypatch.setattr(server._next_command, "poll_until", _NextIn(60.0))
+            server.settings = dataclasses.replace(server.settings, poll_s=poll_s)
+            monkeypatch.setattr(server.runner.linger, "ack_due", _DueFor(60.0))
+            monkeypatch.setattr(_on_loop(server).next_command, "poll_until", _NextIn(60.0))
         prefix = server.pool.prefix if server.pool is not None else ""
         await caller.add(f"{prefix}:one", _sql("one", 0.1))
-        assert not server._polling.on
+        assert not _on_loop(server).polling.on
         assert await caller.result_blocking(f"{prefix}:one", 30_000) is not None
-        assert not server._polling.on
+        assert not _on_loop(server).polling.on
 
 
 @contextlib.asynccontextmanager
@@ -1012,14 +1019,16 @@ async def test_on_sqlite_the_loop_polls_for_a_callers_next_command_until_it_arri
     minute), the loop polls rather than sleep. The next command ends the poll at once, not
     the minute, and teaches the gap how long it took."""
     async with _poolless(workdir, SqliteQueueStore(workdir / "q.db")) as (server, caller):
-        monkeypatch.setattr(server._next_command, "poll_until", _NextIn(60.0))
+        monkeypatch.setattr(_on_loop(server).next_command, "poll_until", _NextIn(60.0))
         await caller.add("p:one", _sql("one", 0))
         # Polling from the write pass that answered, before the caller had the answer.
-        assert server._polling.on and server._polling.until > time.monotonic() + 30
-        heard = record_calls(monkeypatch, server._next_command, "heard")
-        monkeypatch.setattr(server, "_poll_for_commands", lambda: None)  # not again
+        assert (
+            _on_loop(server).polling.on and _on_loop(server).polling.until > time.monotonic() + 30
+        )
+        heard = record_calls(monkeypatch, _on_loop(server).next_command, "heard")
+        monkeypatch.setattr(_on_loop(server), "answered", lambda: None)  # not again
         await caller.add("p:two", _sql("two", 0))
-        await wait_until(lambda: not server._polling.on, within=10)
+        await wait_until(lambda: not _on_loop(server).polling.on, within=10)
         assert len(heard) == 1 and 0 <= heard[0][0] < 10
 
 
@@ -1036,33 +1045,28 @@ async def test_the_loop_never_polls_for_a_next_command_when_off_not_soon_or_off_
     else:
         store = SqliteQueueStore(workdir / "q.db")
     async with _poolless(workdir, store) as (server, caller):
+        if store_kind == "postgres":  # its runner has no polling to turn on
+            assert not isinstance(server.runner, LoopRunner)
+            return
         soon = _NextIn(None if store_kind == "sqlite-not-soon" else 60.0)
-        monkeypatch.setattr(server._next_command, "poll_until", soon)
+        monkeypatch.setattr(_on_loop(server).next_command, "poll_until", soon)
         if store_kind == "sqlite-off":
-            server.poll_s = 0.0
+            server.settings = dataclasses.replace(server.settings, poll_s=0.0)
         for key in ("one", "two", "three"):
             await caller.add(f"p:{key}", _sql(key, 0))
-            assert not server._polling.on
+            assert not _on_loop(server).polling.on
 
 
 def test_a_negative_poll_is_refused(workdir: Path) -> None:
     with pytest.raises(ValueError, match="poll_s"):
-        QueueServer(MemoryQueueStore(), workdir / "s.sock", poll_s=-1.0)
+        Settings(poll_s=-1.0)
     with pytest.raises(ValueError, match="worker_poll_s"):
         WorkerPool(
             "tests.apps.pool_app:app", workdir / "s.sock", MemoryQueueStore(), worker_poll_s=-1.0
         )
 
 
-@pytest.mark.parametrize("option", ["--poll-us", "--ack-poll-us", "--worker-poll-us"])
-def test_the_command_refuses_a_negative_poll(
-    workdir: Path, capsys: pytest.CaptureFixture[str], option: str
-) -> None:
-    from queryqueue.cli import main
-
-    with pytest.raises(SystemExit) as exited:
-        main(["supervisor", "--db", str(workdir / "q.db"), option, "-5"])
-    assert exited.value.code == 2
-    named = "--worker-poll-us" if option == "--worker-poll-us" else "--poll-us"
-    assert f"{named} takes 0" in capsys.readouterr().err
-    assert not (workdir / "q.db").exists()  # refused before anything was opened
+def _on_loop(server: QueueServer) -> LoopRunner:
+    """The runner of a server whose store runs on the loop (SQLite, memory)."""
+    assert isinstance(server.runner, LoopRunner)
+    return server.runner

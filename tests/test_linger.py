@@ -1,11 +1,14 @@
-"""The linger (supervisor/linger.py): which ACKs a PostgreSQL prefix's next batch, or the
+"""The linger (supervisor/core/linger.py): which ACKs a PostgreSQL prefix's next batch, or the
 loop's next turn on SQLite, waits for, and until when, from the times it is given."""
 
 from __future__ import annotations
 
 import pytest
 
-from queryqueue.supervisor.linger import MAX_WAIT_S, POLL_S, Gap, Linger
+from queryqueue.supervisor.core.linger import MAX_WAIT_S, Gap, Linger
+from queryqueue.supervisor.settings import Settings
+
+POLL_S = Settings().poll_s
 
 
 def _learned(turnaround: float, batch: float) -> Linger:

@@ -6,6 +6,7 @@ batch (a blocking store: as soon as the ADD is answered), and the caller's later
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ async def test_an_adds_answer_leaves_with_its_long_polls_or_at_its_deadline(
     """The caller of an ADD sent with its long poll waits for the result: the ADD's answer
     waits (at most `defer_add_answers_s`) to leave with the poll's, one wake-up of the
     caller instead of two."""
-    served.defer_add_answers_s = 60.0
+    served.settings = dataclasses.replace(served.settings, defer_add_answers_s=60.0)
     caller, worker = SocketQueueDriver(served.socket_path), SocketQueueDriver(served.socket_path)
     try:
         adding = asyncio.ensure_future(caller.add("p:k", "{}", then_wait_ms=60_000))
@@ -114,7 +115,7 @@ async def test_an_adds_answer_leaves_with_its_long_polls_or_at_its_deadline(
         got = await asyncio.wait_for(caller.result_blocking(added.id, 60_000), 10)
         assert got is not None and got.payload == '{"result": 3}'
         # Nothing answers this one's poll: its ADD's answer leaves at the deadline.
-        served.defer_add_answers_s = 0.05
+        served.settings = dataclasses.replace(served.settings, defer_add_answers_s=0.05)
         late = await asyncio.wait_for(caller.add("p:late", "{}", then_wait_ms=60_000), 10)
         assert late.added and await _long_polls(worker, 1)
     finally:

@@ -4,6 +4,7 @@ its worker, a worker that is stopped, a supervisor that dies under its workers."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import os
 import signal
@@ -24,6 +25,7 @@ from queryqueue import (
     WorkerLostError,
 )
 from queryqueue.supervisor.pool import WorkerPool
+from queryqueue.supervisor.settings import Settings
 from tests.apps.harsh_app import app
 from tests.pool_util import pool_server
 from tests.supervisor_util import SupervisorProcess, start_supervisor
@@ -230,7 +232,7 @@ async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
     pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
     server = QueueServer(store, workdir / "s.sock", pool=pool)
     killed: list[tuple[int, str, Any]] = []
-    settle = server._settle
+    settle = server.runner.settle
 
     def settle_then_kill(batch: list[Any], answers: Any, for_pool: Any) -> None:
         keys = [r.args[0] for r in batch if r.method == "ack" and r.args]
@@ -246,7 +248,7 @@ async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
                 killed.append((worker.process.pid, sent.path, finished.queue_id))
                 os.kill(worker.process.pid, signal.SIGKILL)
 
-    monkeypatch.setattr(server, "_settle", settle_then_kill)
+    monkeypatch.setattr(server.runner, "settle", settle_then_kill)
     await server.start()
     driver = SocketQueueDriver(server.socket_path)
     queue = pool_app.pool_queue(driver)
@@ -293,7 +295,7 @@ async def test_an_add_for_a_full_pool_waits_for_the_batch_of_the_ack_that_frees_
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     store = MemoryQueueStore()
     pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
-    server = QueueServer(store, workdir / "s.sock", pool=pool, hold_adds_s=60.0)
+    server = QueueServer(store, workdir / "s.sock", pool=pool, settings=Settings(hold_adds_s=60.0))
     await server.start()
     driver, other = SocketQueueDriver(server.socket_path), SocketQueueDriver(server.socket_path)
     queue = pool_app.pool_queue(driver)
@@ -310,7 +312,7 @@ async def test_an_add_for_a_full_pool_waits_for_the_batch_of_the_ack_that_frees_
         adding = asyncio.ensure_future(
             other.add(f"{prefix}:waits", orjson.dumps(definition).decode())
         )
-        await wait_until(lambda: len(server._held) == 1, what="the ADD held")
+        await wait_until(lambda: len(server.inbox.held) == 1, what="the ADD held")
         assert not adding.done()
         batches, commands = server.stats.batches, server.stats.batched_commands
         assert (await other.ack(store.active(prefix)[0].queue_id, '{"r": 1}')).success
@@ -318,9 +320,10 @@ async def test_an_add_for_a_full_pool_waits_for_the_batch_of_the_ack_that_frees_
         # One batch: the ACK freed the slot, the ADD filled it, the pool's retrieval took it.
         assert (server.stats.batches, server.stats.batched_commands) == (batches + 1, commands + 2)
         assert added.added and "waits" in [r.id for r in store.active(prefix)]
-        server.hold_adds_s = 0.05  # nothing else comes: it runs at its deadline
+        # Nothing else comes: it runs at its deadline.
+        server.settings = dataclasses.replace(server.settings, hold_adds_s=0.05)
         late = await asyncio.wait_for(other.add(f"{prefix}:late", '{"query": 2}'), 10)
-        assert late.added and server._held == []
+        assert late.added and server.inbox.held == []
     finally:
         for ask in slow:
             ask.cancel()

@@ -1644,7 +1644,7 @@ async def test_a_fast_tracked_query_goes_to_its_worker_before_its_batch_is_answe
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     order: list[Any] = []
     async with pool_server(postgres_store(), workdir) as (server, pool, queue):
-        submit, settle = pool.submit, server._settle
+        submit, settle = pool.submit, server.runner.settle
 
         def submitting(prefix: str, retrieved: Any) -> None:
             order.append(("hand-off", retrieved.queue_id))
@@ -1655,7 +1655,7 @@ async def test_a_fast_tracked_query_goes_to_its_worker_before_its_batch_is_answe
             settle(batch, *rest)
 
         monkeypatch.setattr(pool, "submit", submitting)
-        monkeypatch.setattr(server, "_settle", settling)
+        monkeypatch.setattr(server.runner, "settle", settling)
         answer = await queue.execute_in_queue(
             "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
         )

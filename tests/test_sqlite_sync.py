@@ -197,7 +197,7 @@ async def test_an_answer_leaves_only_once_its_commit_is_synced(
 ) -> None:
     async with _serving(workdir, held) as (_, server, driver):
         adding = await _add_awaiting_its_sync(driver, held)
-        await wait_until(lambda: server._gate is not None and server._gate.held >= 1)
+        await wait_until(lambda: server.gate is not None and server.gate.held >= 1)
         assert not adding.done()
         with sqlite3.connect(workdir / "q.db") as reader:  # committed, not answered
             assert reader.execute("SELECT key FROM items WHERE prefix = 'p'").fetchall() == [("a",)]
@@ -406,7 +406,7 @@ async def test_in_a_supervisor_a_commit_is_due_while_its_pool_runs_a_query(
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     held.armed = False
     async with pool_server(_store(workdir / "q.db", held), workdir) as (server, _, queue):
-        gate = server._gate
+        gate = server.gate
         assert gate is not None and not gate.expecting()
         asking = asyncio.ensure_future(queue.run("sql", "slow", {"key": "slow", "seconds": 0.3}))
         await wait_until(gate.expecting, what="the pool runs the query")

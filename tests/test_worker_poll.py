@@ -20,9 +20,10 @@ from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.supervisor import loops
 from queryqueue.supervisor import worker as worker_module
-from queryqueue.supervisor.linger import Gap
+from queryqueue.supervisor.core.linger import Gap
 from queryqueue.supervisor.pool import WorkerPool
 from queryqueue.supervisor.server import QueueServer
+from queryqueue.supervisor.settings import Settings
 from tests.waiting import wait_until
 
 APP = "tests.apps.pool_app:app"
@@ -38,7 +39,8 @@ async def _worker(
     until when it was to poll."""
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     store = SqliteQueueStore(workdir / "q.db")
-    server = QueueServer(store, workdir / "s.sock", poll_s=0.0)  # its polls: not recorded
+    # Its polls: not recorded.
+    server = QueueServer(store, workdir / "s.sock", settings=Settings(poll_s=0.0))
     await server.start()
     caller = SocketQueueDriver(server.socket_path)
     parent, child = multiprocess.Pipe()

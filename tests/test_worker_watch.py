@@ -320,7 +320,7 @@ async def test_workers_notes_go_in_the_next_batch_and_one_refused_is_dropped(
         batches = server.stats.batches
         pool.note(added.id, "not json")
         pool.note(added.id, '{"cancelHandler": {"pid": 5}}')
-        await wait_until(lambda: server.stats.batches > batches and not server._inbox)
+        await wait_until(lambda: server.stats.batches > batches and not server.inbox)
         await wait_until(lambda: getattr(store.get(added.id), "extra", None) is not None)
         found = store.get(added.id)
         assert found is not None and found.extra is not None

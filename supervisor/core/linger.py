@@ -42,14 +42,6 @@ _NEW = 0.2
 # Never longer than this, whatever the averages say: after a database outage a batch
 # took seconds, and half of that average would hold the next batches as long.
 MAX_WAIT_S = 0.05
-# When the pool's queries usually come back within this long of their hand-off, the loop
-# polls for their ACKs rather than sleep (`ack_due`), and for callers' next commands when
-# those usually follow their answers as soon (`Gap`): about what a sleep and a wake-up
-# cost on a VM whose idle vCPU halts, so that a longer wait is never polled for.
-POLL_S = 0.0003
-# A worker polls for its next query when that usually comes within this long of its last
-# ACK: the supervisor's answer, its caller's next command and its ADD lie between them.
-WORKER_POLL_S = 0.001
 
 
 @dataclass
