@@ -9,12 +9,13 @@ the hour (a VM's neighbours) moves every variant alike: the same workload as the
 throughput row (4 request processes x 64 in flight, 2 workers, SQLite NORMAL), each run on
 a fresh store after a warm-up. A variant is `name=tree`, the checkout whose `queryqueue`
 (and `benchmarks`) its run imports, or `name=tree:options`, with supervisor options
-added (`now=.:--hold-adds-s 0`). Per run: queries/s, the supervisor's CPU microseconds a
+added (`now=.:--synchronous FULL`). A timing of the supervisor's (its `Settings`) is judged
+with a worktree whose default differs. Per run: queries/s, the supervisor's CPU microseconds a
 query, its batches and commands a query, its share of the time on a CPU and waiting in
 the run queue (`/proc/<pid>/schedstat`), and its voluntary context switches a query (how
 often its loop slept). Medians per variant at the end; every run in
-`benchmarks/last-run/ab.json` (or `--out`). Nothing here is a committed figure: it is the
-tool behind a session's "alternating pairs".
+`benchmarks/last-run/ab.json` (or `--out`). Nothing here is a committed figure: it
+compares builds, alternating, in one run.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ changes its own path's rows, and takes its external id everywhere), their own lo
 polls, and commands by path of other paths (an ACK or a CANCEL also frees the external
 id of the item it removes: no ADD naming one is read ahead after it). The first command
 by queue id, or any other (a RETRIEVE_NEXT activates items of any path), ends the ADDs
-read ahead: a supervisor's batch puts its workers' ACKs last (`_acks_last`), so its ADDs
+read ahead: a supervisor's batch puts its workers' ACKs last (`acks_last`), so its ADDs
 come before them. So does the first ADD that may insert but is not read ahead (its
 path's or external id's rows changed before it, or another prefix's): the ids read ahead
 are taken in the order of the batch, and one taken in its turn after them would put its

@@ -48,8 +48,8 @@ class Answers:
 
     def flush_after_wake_ups(self) -> None:
         """The long polls a batch woke have their callbacks queued now: a write pass that
-        was scheduled before them (an ADD's deferred answer released earlier in this
-        iteration, say) goes after them, so that they are written in it, ahead of the
+        was scheduled before them (an answer queued earlier in this iteration, say) goes
+        after them, so that they are written in it, ahead of the
         batch's ACK answers."""
         if self.flush_pass is not None:
             self.flush_pass.cancel()
@@ -88,16 +88,6 @@ class Answers:
         metrics = self.server.metrics
         if metrics is not None:
             metrics.batch(len(batch))
-        # ADDs whose pipelined long poll parks in this batch: their answers wait for its.
-        parking = (
-            {
-                id(request.follows)
-                for request, (ok, answer) in zip(batch, answers, strict=True)
-                if request.follows is not None and ok and isinstance(answer, Waiter)
-            }
-            if self.server.settings.defer_add_answers_s > 0
-            else set()
-        )
         for request, (ok, answer) in zip(batch, answers, strict=True):
             request.connection.in_flight -= 1
             if request.method == "result_blocking":  # it came through the inbox
@@ -110,7 +100,7 @@ class Answers:
             self.server.stats.record(request.method, now - request.received, ok)
             if metrics is not None:
                 self.measure(metrics, request, ok, answer, now - request.received)
-            self.answer(request, ok, answer, poke, defer=id(request) in parking)
+            self.answer(request, ok, answer, poke)
 
     def measure(self, metrics: Any, request: Request, ok: bool, answer: Any, took: float) -> None:
         if not ok:
@@ -131,11 +121,9 @@ class Answers:
         answer: Any,
         poke: bool = True,
         *,
-        defer: bool = False,
         woken_by: AckEvent | None = None,
     ) -> None:
-        """`defer`: an ADD whose long poll parked (`Connection.defer`). `woken_by`: the
-        ACK event that answers a parked long poll; every poll it wakes gets the same
+        """`woken_by`: the ACK event that answers a parked long poll; every poll it wakes gets the same
         answer, encoded once (a dedup storm's thousand waiters, a large result's copies)."""
         command = COMMANDS.get(request.method)
         if ok and command is not None and (command.adds or command.frees_slot) and self.server.pool:
@@ -154,16 +142,10 @@ class Answers:
                 woken_by = None  # its segment is gone: this poll's answer is its own
             answer = leased
         connection = request.connection
-        if request.follows is not None and connection.deferred:
-            connection.release_deferred(request.follows)  # its ADD's answer goes first
         if not ok:
             connection.send({"id": request.id, "error": error_payload(answer)})
         elif request.rows is not None:
             connection.send({"id": request.id, "rows": request.rows(answer)})
-        elif defer:
-            connection.defer(
-                request, {"id": request.id, "ok": answer}, self.server.settings.defer_add_answers_s
-            )
         elif woken_by is not None and (encoded := self.encoded_answer(woken_by, answer)):
             connection.send_answer(request.id, encoded)
         else:

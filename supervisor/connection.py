@@ -16,7 +16,6 @@ from typing import Any, Protocol
 from queryqueue.driver_socket.frames import FrameReader
 from queryqueue.driver_socket.protocol import FrameError, answer_frame, encode_frame, error_payload
 from queryqueue.supervisor import cube_results
-from queryqueue.supervisor.core.requests import Request
 from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.synced import SyncGate
 
@@ -76,9 +75,6 @@ class Connection:
     # Made on the loop. Kept: on 3.11 each get_running_loop() is a getpid() syscall.
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     throttled: bool = False  # not read until its client catches up
-    # ADD answers held for their long poll's (`defer`), by id() of the ADD's request.
-    deferred: dict[int, bytes] = field(default_factory=dict)
-    deferred_timer: asyncio.TimerHandle | None = None
     # A store that syncs in the background: frames wait for their commit (synced.py).
     gate: SyncGate | None = None
     unsynced: deque[tuple[int, bytes]] = field(default_factory=deque)
@@ -135,29 +131,6 @@ class Connection:
             self.closed = True
             self.transport.abort()
 
-    def defer(self, add: Request, message: dict[str, Any], delay: float) -> None:
-        """The answer of an ADD whose pipelined long poll has parked: its caller waits for
-        the result, not for this. It leaves with that poll's answer (one wake-up of the
-        caller, not two), or at most `delay` later, whichever comes first."""
-        if self.gone():
-            return
-        self.deferred[id(add)] = frame_of(message)
-        if self.deferred_timer is None:
-            self.deferred_timer = self.loop.call_later(delay, self.release_deferred)
-
-    def release_deferred(self, add: Request | None = None) -> None:
-        """Send the deferred answer of `add` (None: all of them) ahead of what follows."""
-        if add is None:
-            frames, self.deferred = list(self.deferred.values()), {}
-        else:
-            frame = self.deferred.pop(id(add), None)
-            frames = [] if frame is None else [frame]
-        for frame in frames:
-            self._queue(frame)
-        if not self.deferred and self.deferred_timer is not None:
-            self.deferred_timer.cancel()
-            self.deferred_timer = None
-
     def flush(self) -> None:
         frames, self.outbox = self.outbox, []
         if frames and not self.gone():
@@ -213,7 +186,6 @@ class FrameClient:
     def ending(self) -> None:
         assert self.connection is not None
         connection = self.connection
-        connection.release_deferred()
         if connection.gate is not None:
             connection.gate.release_now(connection)
         connection.flush()  # what was answered before the hang-up still leaves

@@ -143,7 +143,7 @@ class LaneRunner(Runner):
     def execute_deferring(
         self, batch: list[Request], route: str | None
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None, list[Callable[[], object]]]:
-        """`_execute_here` on a lane, its after-commit effects (the waiters its ACKs wake)
+        """`BatchTransaction.execute` on a lane, its after-commit effects (the waiters its ACKs wake)
         handed back to run on the loop with its answers: waking them from the lane cost
         the loop a wake-up of its own for each (`call_soon_threadsafe`)."""
         with self.server.store.deferring_effects() as effects:

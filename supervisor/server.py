@@ -114,7 +114,6 @@ class QueueServer:
         self.answers = Answers(self)
         self.own_commands = OwnCommands(self)
         self.runner: Runner = LaneRunner(self) if store.blocking else LoopRunner(self)
-        self._held_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._servers: list[asyncio.Server] = []
         self._handlers: set[asyncio.Task[None]] = set()
@@ -213,7 +212,6 @@ class QueueServer:
             for task in list(connection.parked):
                 task.cancel()
         await asyncio.sleep(0)
-        self._release_held()
         self.runner.run_rest()
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -335,42 +333,9 @@ class QueueServer:
             # a transaction of its own); not found, it parks as the batch is answered.
             connection.polls_queued += 1
         connection.in_flight += 1
-        if self._may_hold(request):
-            if self.inbox.hold(request):
-                self._held_timer = self.loop().call_later(
-                    self.settings.hold_adds_s, self._release_held
-                )
-            return
-        self._release_held()  # ahead of this one: the arrival order stands
         self.inbox.append(request)
         self.runner.arrived(request)
         self.runner.schedule()
-
-    def _may_hold(self, request: Request) -> bool:
-        """An ADD for the pool's queue while the pool holds its budget waits for the batch
-        of the ACK that frees its slot (core/inbox.py)."""
-        inbox = self.inbox
-        if inbox.follows_held(request):
-            return True
-        pool = self.pool
-        if (
-            self.store.blocking  # lanes group a prefix's commands already
-            or pool is None
-            or pool.queue is None
-            or self.stopping
-            or self.settings.hold_adds_s <= 0
-            or len(inbox.held) >= inbox.max_batch
-            or request.refused is not None
-        ):
-            return False
-        return pool.full and self.hand_off.adds_to_pool(request)
-
-    def _release_held(self) -> None:
-        if self._held_timer is not None:
-            self._held_timer.cancel()
-            self._held_timer = None
-        if self.inbox.release_held():
-            self.runner.schedule()
 
     def _reader(self, *, authenticated: bool) -> FrameReader:
         return FrameReader(

@@ -20,12 +20,6 @@ class Settings:
     max_frame: int = DEFAULT_MAX_FRAME  # bytes of one request or answer frame
     max_batch: int = 512  # commands in one transaction
     purge_interval: float = 10.0  # seconds between purges of an idle queue's expired results
-    # How long an ADD for a pool whose budget is held may wait for the batch of the ACK
-    # that frees its slot (core/inbox.py). 0: never held.
-    hold_adds_s: float = 0.002
-    # An ADD's answer waits at most this long for its pipelined long poll's, to leave in
-    # one write (connection.py `defer`). 0: never deferred.
-    defer_add_answers_s: float = 0.005
     # When the pool's queries usually come back within this long of their hand-off, the
     # loop polls for their ACKs rather than sleep (core/linger.py `ack_due`), and for
     # callers' next commands when those usually follow their answers as soon (`Gap`):
@@ -39,8 +33,6 @@ class Settings:
     def __post_init__(self) -> None:
         for name in (
             "purge_interval",
-            "hold_adds_s",
-            "defer_add_answers_s",
             "poll_s",
             "worker_poll_s",
         ):

@@ -25,6 +25,7 @@ from queryqueue.supervisor.answering import Answers
 from queryqueue.supervisor.connection import Connection
 from queryqueue.supervisor.core import requests
 from queryqueue.supervisor.core.requests import Request
+from queryqueue.supervisor.core.slots import Slots
 from queryqueue.supervisor.loop_runner import LoopRunner
 from queryqueue.supervisor.polls import ParkedPoll
 from queryqueue.supervisor.pool import WorkerPool
@@ -810,14 +811,17 @@ async def test_on_postgresql_the_pool_is_touched_only_on_the_loops_thread(
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     threads: set[int] = set()
-    for name in ("_job", "_assign", "acking", "acked", "submit", "holds", "job"):
-        method = getattr(WorkerPool, name)
+    for owner, name in [
+        *((Slots, name) for name in ("holding", "assign", "acking", "acked", "submit", "job")),
+        *((WorkerPool, name) for name in ("acking", "acked", "submit", "holds", "job")),
+    ]:
+        method = getattr(owner, name)
 
-        def noting(self: WorkerPool, *args: Any, _method: Any = method, **kw: Any) -> Any:
+        def noting(self: Any, *args: Any, _method: Any = method, **kw: Any) -> Any:
             threads.add(threading.get_ident())
             return _method(self, *args, **kw)
 
-        monkeypatch.setattr(WorkerPool, name, noting)
+        monkeypatch.setattr(owner, name, noting)
     async with pool_server(postgres_store(), workdir, workers=2) as (_, _pool, queue):
         values = await asyncio.gather(
             *(

@@ -107,3 +107,25 @@ def _checkout_sources() -> list[Path]:
             dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
             found += [Path(parent, name) for name in files if name.endswith(".py")]
     return sorted(found)
+
+
+# The supervisor's core decides; the shell around it does the I/O. Its modules import
+# no event loop, socket, process, thread or clock, and nothing of the shell.
+SHELL_ONLY = {"asyncio", "socket", "selectors", "subprocess", "multiprocess", "threading", "time"}
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted((ROOT / "supervisor" / "core").glob("*.py")),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_the_supervisors_core_does_no_io(module: Path) -> None:
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(module.read_text(), str(module))):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.add(node.module)
+    assert not {name.split(".")[0] for name in imported} & SHELL_ONLY
+    ours = {name for name in imported if name.startswith("queryqueue.supervisor")}
+    assert all(name.startswith("queryqueue.supervisor.core") for name in ours), ours

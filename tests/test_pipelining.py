@@ -6,7 +6,6 @@ batch (a blocking store: as soon as the ADD is answered), and the caller's later
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -92,32 +91,6 @@ async def test_the_long_poll_sent_with_its_add_looks_in_the_adds_batch(
         assert (await worker.ack(added.id, '{"result": 5}')).success
         got = await caller.result_blocking(added.id, 10_000)
         assert got is not None and got.payload == '{"result": 5}'
-    finally:
-        await caller.close()
-        await worker.close()
-
-
-async def test_an_adds_answer_leaves_with_its_long_polls_or_at_its_deadline(
-    served: QueueServer,
-) -> None:
-    """The caller of an ADD sent with its long poll waits for the result: the ADD's answer
-    waits (at most `defer_add_answers_s`) to leave with the poll's, one wake-up of the
-    caller instead of two."""
-    served.settings = dataclasses.replace(served.settings, defer_add_answers_s=60.0)
-    caller, worker = SocketQueueDriver(served.socket_path), SocketQueueDriver(served.socket_path)
-    try:
-        adding = asyncio.ensure_future(caller.add("p:k", "{}", then_wait_ms=60_000))
-        await wait_until(lambda: _long_polls(worker, 1), what="the pipelined long poll parked")
-        assert not adding.done()  # committed, and held for the poll's answer
-        assert (await worker.ack("p:k", '{"result": 3}')).success
-        added = await asyncio.wait_for(adding, 10)
-        assert added.added
-        got = await asyncio.wait_for(caller.result_blocking(added.id, 60_000), 10)
-        assert got is not None and got.payload == '{"result": 3}'
-        # Nothing answers this one's poll: its ADD's answer leaves at the deadline.
-        served.settings = dataclasses.replace(served.settings, defer_add_answers_s=0.05)
-        late = await asyncio.wait_for(caller.add("p:late", "{}", then_wait_ms=60_000), 10)
-        assert late.added and await _long_polls(worker, 1)
     finally:
         await caller.close()
         await worker.close()

@@ -4,7 +4,6 @@ its worker, a worker that is stopped, a supervisor that dies under its workers."
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import os
 import signal
@@ -25,7 +24,6 @@ from queryqueue import (
     WorkerLostError,
 )
 from queryqueue.supervisor.pool import WorkerPool
-from queryqueue.supervisor.settings import Settings
 from tests.apps.harsh_app import app
 from tests.pool_util import pool_server
 from tests.supervisor_util import SupervisorProcess, start_supervisor
@@ -238,7 +236,7 @@ async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
         keys = [r.args[0] for r in batch if r.method == "ack" and r.args]
         holders = [
             w
-            for w in pool._workers
+            for w in pool.slots.workers
             if w.job is not None and any(k in (w.job.queue_id, w.job.path) for k in keys)
         ]
         settle(batch, answers, for_pool)  # the ACK ends its query; the next is sent
@@ -283,58 +281,6 @@ async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
         await server.stop()
 
 
-async def test_an_add_for_a_full_pool_waits_for_the_batch_of_the_ack_that_frees_a_slot(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """While the pool holds its budget an ADD for its queue cannot be retrieved: it waits
-    for the next command (here the ACK that frees a slot) and runs in that command's
-    batch, one transaction for both; with nothing else arriving, it runs at its deadline."""
-    from queryqueue.supervisor.server import QueueServer
-    from tests.apps.pool_app import app as pool_app
-
-    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    store = MemoryQueueStore()
-    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
-    server = QueueServer(store, workdir / "s.sock", pool=pool, settings=Settings(hold_adds_s=60.0))
-    await server.start()
-    driver, other = SocketQueueDriver(server.socket_path), SocketQueueDriver(server.socket_path)
-    queue = pool_app.pool_queue(driver)
-    prefix = queue.prefix
-    slow: list[asyncio.Future[Any]] = []
-    try:
-        await pool.start()
-        slow += [
-            asyncio.ensure_future(queue.run("sql", key, {"key": key, "seconds": 60.0}))
-            for key in ("slow0", "slow1")
-        ]
-        await wait_until(lambda: len(store.active(prefix)) == 2, within=30, what="a full pool")
-        definition = {"queryHandler": "sql", "query": {"key": "waits", "seconds": 60.0}}
-        adding = asyncio.ensure_future(
-            other.add(f"{prefix}:waits", orjson.dumps(definition).decode())
-        )
-        await wait_until(lambda: len(server.inbox.held) == 1, what="the ADD held")
-        assert not adding.done()
-        batches, commands = server.stats.batches, server.stats.batched_commands
-        assert (await other.ack(store.active(prefix)[0].queue_id, '{"r": 1}')).success
-        added = await asyncio.wait_for(adding, 10)
-        # One batch: the ACK freed the slot, the ADD filled it, the pool's retrieval took it.
-        assert (server.stats.batches, server.stats.batched_commands) == (batches + 1, commands + 2)
-        assert added.added and "waits" in [r.id for r in store.active(prefix)]
-        # Nothing else comes: it runs at its deadline.
-        server.settings = dataclasses.replace(server.settings, hold_adds_s=0.05)
-        late = await asyncio.wait_for(other.add(f"{prefix}:late", '{"query": 2}'), 10)
-        assert late.added and server.inbox.held == []
-    finally:
-        for ask in slow:
-            ask.cancel()
-        await asyncio.gather(*slow, return_exceptions=True)
-        await queue.shutdown(grace=0)
-        await driver.close()
-        await other.close()
-        await pool.stop(grace=0)
-        await server.stop()
-
-
 async def test_a_query_sent_while_a_cancelled_handler_thread_drains_waits_for_it(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -362,11 +308,11 @@ async def test_a_query_sent_while_a_cancelled_handler_thread_drains_waits_for_it
         (running,) = [i for i in await driver.list_items(queue.prefix) if i.id == s1]
         assert await driver.cancel(running.queue_id) is not None
         await wait_until(
-            lambda: pool._workers[0].draining_since is not None, what="the worker draining"
+            lambda: pool.slots.workers[0].draining_since is not None, what="the worker draining"
         )
         assert not _starts(workdir, "s2"), "nothing starts beside a draining thread"
         result = await asyncio.wait_for(second, timeout=30)
-        (worker,) = pool._workers
+        (worker,) = pool.slots.workers
         assert result["pid"] == worker.process.pid  # the same worker, once it had drained
         ((end_s1,),) = [[float(t[3])] for t in read_trace(workdir) if t[:2] == ["end", "s1"]]
         ((start_s2,),) = [[float(t[3])] for t in _starts(workdir, "s2")]
@@ -463,7 +409,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
     back (its waiters ask again) with no death counted against it; the query it died
     running is reclaimed as any other."""
     from queryqueue.supervisor import worker as worker_module
-    from queryqueue.supervisor import worker_state
+    from queryqueue.supervisor.core import slots
 
     store = MemoryQueueStore()
     pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
@@ -474,7 +420,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
         assert retrieved is not None and retrieved.id == ids[key]
 
     def job(key: str) -> Any:
-        return worker_state.Job(ids[key], f"p:{key}", key.encode())
+        return slots.Job(ids[key], f"p:{key}", key.encode())
 
     def outcome(key: str) -> Any:
         answer = store.result(ids[key])
@@ -484,7 +430,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
         return {key for key, queue_id in ids.items() if store.get(queue_id) is not None}
 
     pipe = _Pipe()
-    worker = worker_state.Worker(_Process(), pipe)
+    worker = slots.Worker(_Process(), pipe)
 
     def holds() -> tuple[str | None, str | None, str | None]:
         """What the worker runs, whose ACK is committing, what it ended last."""
@@ -492,9 +438,9 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
             None if j is None else j.path[2:] for j in (worker.job, worker.acking, worker.finished)
         )
 
-    pool._workers.append(worker)
-    pool._backlog.extend([job("a"), job("b")])
-    pool._assign()
+    pool.slots.workers.append(worker)
+    for key in ("a", "b"):
+        pool.send(pool.slots.submit(job(key)))
     assert holds() == ("a", None, None) and pipe.sent == [b"a"]
 
     pool.acking(ids["a"])  # its ACK's batch commits: the next goes now
@@ -506,16 +452,16 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
     pool.acking(ids["b"])  # nothing waits: the worker is idle, b's ACK not answered yet
     assert holds() == (None, "b", "a")
     pipe.reports.append(worker_module.report(worker_module.LOST, ids["b"]))
-    pool._on_message(worker)  # b's ACK was not stored through every retry
+    pool.heard(worker)  # b's ACK was not stored through every retry
     await wait_until(lambda: queued() == {"c", "d"})
     assert outcome("b")["retry"] is True and holds() == (None, None, "a")
 
-    pool._backlog.extend([job("c"), job("d")])
-    pool._assign()
+    for key in ("c", "d"):
+        pool.send(pool.slots.submit(job(key)))
     pool.acking(ids["c"])
     assert holds() == ("d", "c", "a")
-    pool._stopping = True  # no replacement spawned here
-    pool._on_exit(worker)  # died running d, c's ACK not stored
+    pool.size = 0  # no replacement spawned here
+    pool.processes.exited(worker)  # died running d, c's ACK not stored
     await wait_until(lambda: not queued())
     assert outcome("c")["retry"] is True and outcome("d")["retry"] is True
     assert pool.takeback.reclaimed == [ids["d"]]

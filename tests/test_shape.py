@@ -29,8 +29,6 @@ OVER = {
     "class driver_postgres/store.py:PostgresQueueStore": 792,
     "function driver_postgres/store.py:__init__": 74,
     "function driver_postgres/store.py:_command_in": 65,
-    "module supervisor/pool.py": 765,
-    "class supervisor/pool.py:WorkerPool": 681,
     "module queryqueue/demo.py": 614,
     "function queryqueue/demo.py:_client": 110,
     "function queryqueue/demo.py:_run": 98,

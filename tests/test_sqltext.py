@@ -6,7 +6,7 @@ import pytest
 
 from queryqueue import InvalidCommandError, MemoryQueueStore
 from queryqueue.engine.clock import ManualClock
-from queryqueue.supervisor import sqltext
+from queryqueue.supervisor.core import sqltext
 
 
 def run(store: MemoryQueueStore, text: str, process_id: str | None = None) -> list[sqltext.Row]:

@@ -15,7 +15,7 @@ from typing import Any
 from queryqueue.engine.commands import Command, served
 from queryqueue.engine.errors import InvalidCommandError, QueueError
 from queryqueue.engine.responses import AddAndRetrieveResponse, QueueId
-from queryqueue.supervisor import sqltext
+from queryqueue.supervisor.core import sqltext
 
 # The QUEUE commands a client may call, as the store declares them.
 COMMANDS = served()
@@ -123,8 +123,8 @@ class Request:
     follows: Request | None = None  # that long poll: the ADD it follows
     added_id: int | None = None  # the ADD's answered id, once it ran
     started_ms: int | None = None  # the fast track: startQueryTime, recorded in its batch
-    checked: bool = False  # by `_take_batch`, once
-    pool_step: bool = False  # a worker's step of a pool job (`_note_acks`): not held
+    checked: bool = False  # by `Runner.take_batch`, once
+    pool_step: bool = False  # a worker's step of a pool job (`Runner.note_acks`): not held
 
 
 def moves_pool(command: Command | None, full: bool) -> bool:

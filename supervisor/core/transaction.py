@@ -59,7 +59,7 @@ class BatchTransaction:
     def execute(
         self, batch: list[Request], route: str | None = None
     ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
-        """`_execute` (on the loop, or on a blocking store's lane), and in the same
+        """The batch (on the loop, or on a blocking store's lane), and in the same
         transaction, when the batch freed a slot or added work, the pool's retrieval: what
         its reconcile would retrieve next, handed to its workers as soon as the batch
         commits (None: not tried)."""
@@ -102,7 +102,7 @@ class BatchTransaction:
         runs while the COMMIT makes its round trip to PostgreSQL, or while SQLite writes
         its WAL; with it, the workers whose ACKs the batch carries are sent their next
         (`hand_over_committing`). Answers still wait for the commit, and so does the
-        pool's word that those ACKs ended their queries (`_note_acks`); `_settle` then
+        pool's word that those ACKs ended their queries (`Runner.note_acks`); `Runner.settle` then
         hands over only what was not. A batch that does not commit after
         all gave a worker a query of nothing (its ACK finds no item: no store hands out
         an id twice, group_commit.py); one run again hands over what it retrieves then."""
@@ -131,7 +131,7 @@ class BatchTransaction:
         for_pool: list[RetrievedQuery] | None,
         acks: list[QueueId],
     ) -> None:
-        """`_hand_over` as the batch's COMMIT starts, where the workers whose ACKs it
+        """`HandOff.hand_over` as the batch's COMMIT starts, where the workers whose ACKs it
         carries take their next at once (`WorkerPool.acking`, here on the loop): they start
         it while the COMMIT is made, not once their ACK is answered."""
         if self.pool is not None:

@@ -1,0 +1,224 @@
+"""The pool's worker processes: spawned up to its size, watched (their pipe and their
+exit), retired when due (a task or memory limit, a reload), replaced when they die.
+
+A spawn that fails (EMFILE, EAGAIN, no memory) is retried with backoff while the pool
+says it is short. A reload imports the app afresh in a new interpreter first; only if
+that works does every worker finish what it holds and retire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from queryqueue.supervisor.core.slots import Worker
+from queryqueue.supervisor.worker import worker_main
+
+if TYPE_CHECKING:
+    from queryqueue.supervisor.pool import WorkerPool
+
+_log = logging.getLogger("queryqueue.pool")
+SPAWN_RETRY_FIRST = 0.1
+SPAWN_RETRY_MAX = 5.0
+
+
+class Processes:
+    def __init__(self, pool: WorkerPool, context: Any) -> None:
+        self.pool = pool
+        self.context = context
+        # What `describe` counts: spawns failed, workers retired and replaced, reloads.
+        self.spawn_failures = self.recycled = self.replaced = self.reloads = 0
+        self.spawn_error: str | None = None
+        self.reload_error: str | None = None
+        self._respawn: asyncio.TimerHandle | None = None
+        self._spawn_delay = SPAWN_RETRY_FIRST
+
+    def stopping(self) -> None:
+        if self._respawn is not None:
+            self._respawn.cancel()
+
+    def fill(self) -> None:
+        """Spawn workers up to the pool's size. A spawn that fails (EMFILE, EAGAIN, no
+        memory) is retried with backoff, and the pool says it is short meanwhile."""
+        self._respawn = None
+        while len(self.pool.slots.workers) < self.pool.size and not self.pool.stopping:
+            try:
+                self.spawn()
+            except OSError as exc:
+                self.spawn_failures += 1
+                self.spawn_error = f"{type(exc).__name__}: {exc}"
+                _log.error(
+                    "worker spawn failed (%s): the pool has %d of %d workers; retrying in %.1f s",
+                    self.spawn_error,
+                    len(self.pool.slots.workers),
+                    self.pool.size,
+                    self._spawn_delay,
+                )
+                self._respawn = asyncio.get_running_loop().call_later(self._spawn_delay, self.fill)
+                self._spawn_delay = min(self._spawn_delay * 2, SPAWN_RETRY_MAX)
+                return
+        if self.spawn_error is not None and len(self.pool.slots.workers) == self.pool.size:
+            _log.warning("the pool is back to %d workers", self.pool.size)
+        self.spawn_error = None
+        self._spawn_delay = SPAWN_RETRY_FIRST
+        self.pool.send(self.pool.slots.assign())
+
+    def spawn(self) -> Worker:
+        parent, child = self.context.Pipe()
+        try:
+            process = self.context.Process(
+                target=worker_main,
+                args=(
+                    self.pool.app_ref,
+                    self.pool.socket_path,
+                    child,
+                    self.pool.shm_threshold,
+                    self.pool.event_loop,
+                    self.pool.worker_poll_s,
+                ),
+                daemon=True,
+            )
+            process.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        # Workers run queries, the supervisor coordinates them: a worker it wakes (a
+        # hand-off, an ACK's answer) must not preempt it mid-turn on a busy machine, which
+        # had the supervisor's writes take a sixth of its time. SCHED_BATCH never preempts
+        # on wake-up; it gets its full share of the CPU otherwise.
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(process.pid, os.SCHED_BATCH, os.sched_param(0))
+        worker = Worker(process, parent)
+        self.pool.slots.workers.append(worker)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(parent.fileno(), self.pool.heard, worker)
+        loop.add_reader(process.sentinel, self.exited, worker)
+        worker.watchers = [parent.fileno(), process.sentinel]
+        return worker
+
+    def unwatch(self, worker: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in worker.watchers:
+            loop.remove_reader(fd)
+        worker.watchers = []
+
+    def due_to_retire(self, worker: Worker, *, quiet: bool, done: int = 1) -> bool:
+        """Whether the worker is retired once its job is done (`done`: that job is not
+        counted in `executed` yet): at its task limit, or over its memory limit."""
+        limit = self.pool.max_tasks_per_worker
+        if limit and worker.executed + done >= limit:
+            return True
+        if self.pool.max_memory_per_worker is None:
+            return False
+        try:
+            rss = int(psutil.Process(worker.process.pid).memory_info().rss)
+        except psutil.Error:
+            return False
+        if rss <= self.pool.max_memory_per_worker:
+            return False
+        if not quiet:
+            _log.info("worker %s uses %d bytes: recycled", worker.process.pid, rss)
+        return True
+
+    def retire(self, worker: Worker) -> None:
+        worker.retiring = True
+        with contextlib.suppress(OSError, ValueError):
+            worker.conn.send_bytes(b"")
+
+    def exited(self, worker: Worker) -> None:
+        """The worker's process ended: take back what it held, replace it."""
+        self.unwatch(worker)
+        if not self.pool.slots.leave(worker):
+            return  # handled already: an exited process's sentinel stays readable
+        worker.process.join(0)
+        with contextlib.suppress(OSError):
+            worker.conn.close()
+        if worker.job is not None:  # an acknowledged one is no longer its job
+            job = worker.job
+            outcome = self.pool.takeback.died(
+                job.queue_id,
+                job.path,
+                worker.process.exitcode,
+                counts=not (job.timed_out or job.abandoned),
+            )
+            self.pool.in_background(self.pool.takeback.take_back(job.queue_id, job.path, outcome))
+        if worker.acking is not None:
+            # It ran to its end; stored, unless the ACK's batch failed to commit and the
+            # worker died before its retry: then its waiters ask again (nothing to take
+            # back once it was stored, and no death counted against it).
+            self.pool.in_background(self.pool.takeback.give_back(worker.acking.queue_id))
+        if worker.next is not None:  # never started: back to the queue, run again
+            self.pool.in_background(self.pool.takeback.give_back(worker.next.queue_id))
+        if not self.pool.stopping:
+            if worker.retiring:
+                self.recycled += 1
+            else:
+                self.replaced += 1
+            self.fill()
+
+    def retire_if_due(self, worker: Worker) -> None:
+        if self.due_to_retire(worker, quiet=False, done=0):
+            self.retire(worker)
+
+    async def reload(self) -> bool:
+        """Roll out new handler code: the app is imported afresh in a new interpreter
+        first, and only if that works every worker finishes what it holds and retires,
+        replaced by a new one that imports the new code. Nothing queued or running is
+        lost. False (logged, and in `describe`) when the new code does not load: the
+        workers go on with the old. The queue's options are read at start only."""
+        done = await asyncio.to_thread(_loads_afresh, self.pool.app_ref)
+        if done.returncode != 0:
+            self.reload_error = (done.stderr.strip().splitlines() or ["it exited"])[-1]
+            _log.error(
+                "reload refused: %s does not load (%s); the workers go on with the code they have",
+                self.pool.app_ref,
+                self.reload_error,
+            )
+            return False
+        self.reloads, self.reload_error = self.reloads + 1, None
+        retiring = [worker for worker in self.pool.slots.workers if not worker.retiring]
+        _log.warning(
+            "reloading %s: %d workers retire after what they hold", self.pool.app_ref, len(retiring)
+        )
+        for worker in retiring:
+            self.retire(worker)
+        return True
+
+    async def end(self, grace: float) -> None:
+        """The pool stops: every worker asked to finish and exit, killed past `grace`."""
+        workers = self.pool.slots.workers
+        for worker in workers:
+            self.unwatch(worker)
+            with contextlib.suppress(OSError, ValueError):
+                worker.conn.send_bytes(b"")  # asks the worker to finish and exit
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        for worker in workers:
+            await loop.run_in_executor(None, worker.process.join, max(0.0, deadline - loop.time()))
+            if worker.process.is_alive():
+                _log.warning(
+                    "worker %d still runs %s after the stop grace of %s s: killed",
+                    worker.process.pid,
+                    worker.job.path if worker.job else "nothing",
+                    grace,
+                )
+                worker.process.kill()
+                await loop.run_in_executor(None, worker.process.join, 10.0)
+            worker.conn.close()
+
+
+def _loads_afresh(app_ref: str) -> subprocess.CompletedProcess[str]:
+    """Import the app in a new interpreter, in this process's directory, as a worker would."""
+    script = "import sys; from queryqueue.app import load_app; load_app(sys.argv[1])"
+    return subprocess.run(
+        [sys.executable, "-c", script, app_ref], capture_output=True, text=True, timeout=120
+    )
