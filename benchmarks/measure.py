@@ -22,12 +22,12 @@ from typing import Any
 import psutil
 
 
-def _tree(root: psutil.Process) -> list[psutil.Process]:
+def tree(root: psutil.Process) -> list[psutil.Process]:
     """`root` and its live descendants. Found through the tree's own /proc entries where
     Linux lists each thread's children; psutil's `children()` reads every process on the
     machine instead (~3 ms here, twice a second, on the two cores the run is measured on:
     it put the idle workload's slowest queries every half second)."""
-    pids = _descendants(root.pid)
+    pids = descendants(root.pid)
     if pids is None:
         try:
             return [root, *root.children(recursive=True)]
@@ -42,15 +42,15 @@ def _tree(root: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def _lists_children() -> bool:
+def lists_children() -> bool:
     """Whether this kernel lists a thread's children (/proc/PID/task/TID/children)."""
     return os.path.exists(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/children")
 
 
-def _descendants(pid: int) -> list[int] | None:
+def descendants(pid: int) -> list[int] | None:
     """The pids below `pid`, parents before their children; None where /proc does not
     list children. A process or thread that ends meanwhile is skipped with its subtree."""
-    if not _lists_children():
+    if not lists_children():
         return None
     found: list[int] = []
     parents = [pid]
@@ -99,7 +99,7 @@ class TreeMeter:
         self._start_cpu = 0.0
 
     def _processes(self) -> list[psutil.Process]:
-        return _tree(self.root) + self.extra
+        return tree(self.root) + self.extra
 
     def _sample(self) -> None:
         # Finding the tree scans every process on the machine (~3 ms here): done on every

@@ -95,7 +95,7 @@ class SocketQueueDriver:
         self.reconnect_timeout = reconnect_timeout
         self.request_timeout = request_timeout
         self.max_frame = max_frame
-        self._connection = Connection(
+        self.connection = Connection(
             self.socket_path,
             process_id=process_id,
             reconnect_timeout=reconnect_timeout,
@@ -110,27 +110,27 @@ class SocketQueueDriver:
         # Prefixes the supervisor's worker pool runs (its hello says so on every connect).
         self.pool_prefixes: frozenset[str] = frozenset()
         self._slot_watchers: dict[str, set[Callable[[], None]]] = {}
-        self._pipelined = PipelinedPolls()
+        self.pipelined = PipelinedPolls()
 
     @property
     def reconnects(self) -> int:
         """How often this driver connected again after losing its connection."""
-        return int(self._connection.reconnects)
+        return int(self.connection.reconnects)
 
     async def call(self, method: str, *args: Any, extra_wait: float = 0.0, **kwargs: Any) -> Any:
         """Send one command; returns the raw `ok` value (decode with DECODERS)."""
-        return await self._connection.call(method, *args, extra_wait=extra_wait, **kwargs)
+        return await self.connection.call(method, *args, extra_wait=extra_wait, **kwargs)
 
     async def sql(self, text: str) -> list[dict[str, Any]]:
         """Run one QUEUE command given as Cube Store SQL text; returns Cube Store's rows."""
-        return await self._connection.sql(text)
+        return await self.connection.sql(text)
 
     def _hello(self, link: Link, hello: dict[str, Any]) -> None:
         # Prefixes the supervisor's worker pool runs; a new connection watches again.
         self.pool_prefixes = frozenset(hello.get("pool", ()))
         for prefix in list(self._slot_watchers):
             link.send(
-                encode_frame({"id": next(self._connection.ids), "cmd": "watch", "args": [prefix]})
+                encode_frame({"id": next(self.connection.ids), "cmd": "watch", "args": [prefix]})
             )
 
     def _supervisor_is(self, uid: int) -> None:
@@ -158,7 +158,7 @@ class SocketQueueDriver:
         """Give a retrieved query to the supervisor's pool, if it runs this prefix's."""
         if retrieved.persistent:  # a stream lives in the process that asked for it
             return False
-        await self._connection.connected()
+        await self.connection.connected()
         if prefix not in self.pool_prefixes:
             return False
         await self.dispatch(prefix, retrieved)
@@ -183,7 +183,7 @@ class SocketQueueDriver:
         return answer
 
     async def close(self) -> None:
-        await self._connection.close()
+        await self.connection.close()
         self._segments.close()
 
     # -- the QUEUE commands ------------------------------------------------------------------------
@@ -227,7 +227,7 @@ class SocketQueueDriver:
         then_wait_ms: int | None = None,
         list_active: bool = True,
     ) -> AddAndRetrieveResponse:
-        await self._connection.connected()  # its hello says which prefixes the pool runs
+        await self.connection.connected()  # its hello says which prefixes the pool runs
         # The supervisor hands what it retrieves to its pool itself: no hand-off round trip.
         dispatch = not exclusive and path.rpartition(":")[0] in self.pool_prefixes
         options = _add_options(priority, orphaned, external_id, exclusive, process_id, if_no_result)
@@ -252,8 +252,8 @@ class SocketQueueDriver:
         ADD is sent again the ordinary way (and the long poll then is too)."""
         if then_wait_ms is None or then_wait_ms < 0:
             return await self._decoded(method, *args, **kwargs)
-        link = await self._connection.connected()
-        wait_id = next(self._connection.ids)
+        link = await self.connection.connected()
+        wait_id = next(self.connection.ids)
         waited: asyncio.Future[dict[str, Any]] = link.loop.create_future()
         link.pending[wait_id] = waited
         pipelined = PipelinedPoll(link, wait_id, waited)
@@ -263,7 +263,7 @@ class SocketQueueDriver:
             "kwargs": {**kwargs, "then_wait": [wait_id, then_wait_ms]},
         }
         try:
-            reply = await self._connection.exchange(link, message, self.request_timeout)
+            reply = await self.connection.exchange(link, message, self.request_timeout)
         except ConnectionLost:
             pipelined.drop()
             return await self._decoded(method, *args, **kwargs)
@@ -274,7 +274,7 @@ class SocketQueueDriver:
             pipelined.drop()
             raise_error(reply["error"])
         answer = DECODERS[method](reply.get("ok"))
-        self._pipelined.keep((answer.id, then_wait_ms), pipelined)
+        self.pipelined.keep((answer.id, then_wait_ms), pipelined)
         return answer
 
     async def retrieve(
@@ -349,7 +349,7 @@ class SocketQueueDriver:
 
     async def result_blocking(self, key: QueueKey, timeout_ms: int) -> ResultResponse | None:
         extra = timeout_ms / 1000 if isinstance(timeout_ms, int) and timeout_ms > 0 else 0.0
-        pipelined = self._pipelined.claim((key, timeout_ms))
+        pipelined = self.pipelined.claim((key, timeout_ms))
         reply = None if pipelined is None else await pipelined.reply(self.request_timeout + extra)
         if reply is not None:
             if "error" in reply:

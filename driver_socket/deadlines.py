@@ -33,6 +33,10 @@ class Deadlines(Generic[K]):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
 
+    def __len__(self) -> int:
+        """Deadlines kept: pending, or passed over and not yet compacted away."""
+        return len(self._heap)
+
     def add(self, key: K, seconds: float) -> None:
         at = self._loop.time() + seconds
         if len(self._heap) >= self._compact_at:

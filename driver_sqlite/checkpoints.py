@@ -46,13 +46,13 @@ class Checkpointer:
         self.folds = 0
         self.failures = 0
         self.wal_frames = 0  # the WAL's length at the last round
-        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
-            self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            self.connection.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             # Its fsyncs are the ones that make the folded frames safe to overwrite from.
-            self._conn.execute(f"PRAGMA synchronous = {synchronous}")
+            self.connection.execute(f"PRAGMA synchronous = {synchronous}")
         except BaseException:
-            self._conn.close()
+            self.connection.close()
             raise
         self._lock = threading.Lock()  # one round at a time: the thread's, or a caller's
         self._stop = threading.Event()
@@ -77,7 +77,7 @@ class Checkpointer:
         with self._lock:
             self.dirty = False
             try:
-                row = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                row = self.connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
             except sqlite3.Error as exc:
                 self.failures += 1
                 _log.warning("checkpoint of %s failed (the next round retries): %s", self.path, exc)
@@ -112,4 +112,4 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            self._conn.close()
+            self.connection.close()

@@ -80,10 +80,10 @@ class _InBatch:
         store._lock.acquire()
         try:
             savepoint = self._savepoint = Savepoint(
-                store._conn, store.path, store._counts, store._ids, guarded=store._guarded
+                store.connection, store.path, store._counts, store._ids, guarded=store._guarded
             )
             return SqliteTransaction(
-                store._conn, store._counts, store._stored, store._ids, savepoint
+                store.connection, store._counts, store._stored, store._ids, savepoint
             )
         except BaseException:
             store._lock.release()
@@ -101,6 +101,39 @@ class _InBatch:
                     raise database_error(store.path, exc) from exc
         finally:
             store._lock.release()
+
+
+def _connect(
+    path: Path, *, synchronous: str, busy_timeout_ms: int, wal_cap_pages: int
+) -> sqlite3.Connection:
+    """The store's connection to `path`: WAL, its pragmas, the schema migrated."""
+    try:
+        connection = sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False, cached_statements=256
+        )
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open the queue database {path}: {exc}") from exc
+    try:
+        connection.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # before the first write
+        connection.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        (mode,) = connection.execute("PRAGMA journal_mode = WAL").fetchone()
+        if mode.lower() != "wal":
+            raise StoreError(f"{path} cannot be put in WAL mode (got {mode})")
+        connection.execute(f"PRAGMA synchronous = {synchronous}")
+        # No checkpoint inside a COMMIT: the checkpoint thread folds the WAL (normal
+        # locking, so that its connection may); a restarted WAL is cut back to the cap.
+        connection.execute("PRAGMA wal_autocheckpoint = 0")
+        (page_size,) = connection.execute("PRAGMA page_size").fetchone()
+        connection.execute(f"PRAGMA journal_size_limit = {int(wal_cap_pages) * page_size}")
+        connection.execute("PRAGMA cache_size = -32768")  # 32 MiB
+        connection.execute("PRAGMA temp_store = MEMORY")
+        migrate(connection)
+    except BaseException as exc:
+        connection.close()
+        if isinstance(exc, sqlite3.Error):
+            raise StoreError(f"cannot open the queue database {path}: {exc}") from exc
+        raise
+    return connection
 
 
 class SqliteQueueStore(QueueStore):
@@ -148,39 +181,40 @@ class SqliteQueueStore(QueueStore):
         self.recounts = 0
         self.syncer: WalSyncer | None = None
         self._changes_seen = 0  # the connection's total_changes at the last commit synced
+        background = sync_in_background and synchronous == "FULL"
+        # In the background, the WAL is synced by the syncer, not by COMMIT. The connection
+        # is there to inspect (PRAGMAs, trace and progress handlers); writes go through
+        # the store's commands, which keep its counters.
+        self.connection = _connect(
+            self.path,
+            synchronous="NORMAL" if background else synchronous,
+            busy_timeout_ms=busy_timeout_ms,
+            wal_cap_pages=wal_cap_pages,
+        )
+        self._start_threads(
+            checkpoint_every_s, wal_cap_pages, busy_timeout_ms, wal_sync if background else False
+        )
+
+    def _start_threads(
+        self,
+        every_s: float | None,
+        wal_cap_pages: int,
+        busy_timeout_ms: int,
+        wal_sync: Callable[[int], None] | Literal[False] | None,
+    ) -> None:
+        """The store's threads: its checkpointer, and its WAL syncer unless `wal_sync` is
+        False (commits synced by COMMIT). Neither started: the connection is closed."""
         try:
-            self._conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, cached_statements=256
-            )
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open the queue database {self.path}: {exc}") from exc
-        try:
-            self._conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # before the first write
-            self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            (mode,) = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()
-            if mode.lower() != "wal":
-                raise StoreError(f"{self.path} cannot be put in WAL mode (got {mode})")
-            background = sync_in_background and synchronous == "FULL"
-            # In the background, the WAL is synced by the syncer, not by COMMIT.
-            self._conn.execute(f"PRAGMA synchronous = {'NORMAL' if background else synchronous}")
-            # No checkpoint inside a COMMIT: the checkpoint thread folds the WAL (normal
-            # locking, so that its connection may); a restarted WAL is cut back to the cap.
-            self._conn.execute("PRAGMA wal_autocheckpoint = 0")
-            (page_size,) = self._conn.execute("PRAGMA page_size").fetchone()
-            self._conn.execute(f"PRAGMA journal_size_limit = {int(wal_cap_pages) * page_size}")
-            self._conn.execute("PRAGMA cache_size = -32768")  # 32 MiB
-            self._conn.execute("PRAGMA temp_store = MEMORY")
-            migrate(self._conn)
             self.checkpointer = Checkpointer(
                 self.path,
-                synchronous=synchronous,
-                every_s=checkpoint_every_s,
+                synchronous=self.synchronous,
+                every_s=every_s,
                 cap_frames=wal_cap_pages,
                 busy_timeout_ms=busy_timeout_ms,
             )
-            if background:
+            if wal_sync is not False:
                 # The WAL exists from the connection's first transaction (the migration's).
-                self._changes_seen = self._conn.total_changes
+                self._changes_seen = self.connection.total_changes
                 self.syncer = WalSyncer(
                     Path(f"{self.path}-wal"), **({} if wal_sync is None else {"sync": wal_sync})
                 )
@@ -188,7 +222,7 @@ class SqliteQueueStore(QueueStore):
             checkpointer = getattr(self, "checkpointer", None)
             if checkpointer is not None:
                 checkpointer.close()
-            self._conn.close()
+            self.connection.close()
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"cannot open the queue database {self.path}: {exc}") from exc
             raise
@@ -202,20 +236,20 @@ class SqliteQueueStore(QueueStore):
             )
         if self.checkpointer.fold_due:
             # A writer that never pauses outruns the rounds: the WAL would never restart.
-            self.checkpointer.fold(self._conn)
+            self.checkpointer.fold(self.connection)
         try:
             if self._ids.low():
-                self._ids.reserve(self._conn)
-            self._conn.execute("BEGIN IMMEDIATE")
+                self._ids.reserve(self.connection)
+            self.connection.execute("BEGIN IMMEDIATE")
             # Changed only by another connection's commit (this one's own do not change it).
-            (version,) = self._conn.execute("PRAGMA data_version").fetchone()
+            (version,) = self.connection.execute("PRAGMA data_version").fetchone()
             if version != self._data_version:
                 self._stored = self._count_items()
                 self._data_version = version
         except sqlite3.Error as exc:
             with suppress(sqlite3.Error):
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
+                if self.connection.in_transaction:
+                    self.connection.execute("ROLLBACK")
             raise StoreError(f"cannot begin a transaction on {self.path}: {exc}") from exc
         self._counts = CountChanges()
         self._ids.begin()
@@ -224,17 +258,17 @@ class SqliteQueueStore(QueueStore):
         """Each prefix's counters, counted (at open, and after another connection wrote:
         the one place a backlog is counted)."""
         self.recounts += 1
-        rows = self._conn.execute(COUNT_BY_PREFIX)
+        rows = self.connection.execute(COUNT_BY_PREFIX)
         return {prefix: (int(pending), int(active)) for prefix, pending, active in rows}
 
     def _commit(self) -> None:
         changed = self._counts.take_changes()
         # Kept once COMMIT succeeded: one SQLite rolled back itself (a full disk) fails.
-        self._conn.execute("COMMIT")
+        self.connection.execute("COMMIT")
         self.checkpointer.dirty = True
-        if self.syncer is not None and self._conn.total_changes != self._changes_seen:
+        if self.syncer is not None and self.connection.total_changes != self._changes_seen:
             # Only a transaction that wrote has anything to sync (reads commit too).
-            self._changes_seen = self._conn.total_changes
+            self._changes_seen = self.connection.total_changes
             self.syncer.commit()
         stored = self._stored
         for prefix, pending, active in changed:
@@ -256,10 +290,10 @@ class SqliteQueueStore(QueueStore):
         with self._lock:
             self._begin()
             try:
-                yield SqliteTransaction(self._conn, self._counts, self._stored, self._ids)
+                yield SqliteTransaction(self.connection, self._counts, self._stored, self._ids)
             except BaseException as exc:
                 with suppress(sqlite3.Error):  # the original error is the one worth reporting
-                    self._conn.execute("ROLLBACK")
+                    self.connection.execute("ROLLBACK")
                 self._ids.rolled_back()
                 if isinstance(exc, sqlite3.Error):
                     raise database_error(self.path, exc) from exc
@@ -268,7 +302,7 @@ class SqliteQueueStore(QueueStore):
                 self._commit()
             except sqlite3.Error as exc:
                 with suppress(sqlite3.Error):
-                    self._conn.execute("ROLLBACK")
+                    self.connection.execute("ROLLBACK")
                 self._ids.rolled_back()  # handed to no one outside a batch
                 raise StoreError(f"cannot commit to {self.path}: {exc}") from exc
 
@@ -299,7 +333,7 @@ class SqliteQueueStore(QueueStore):
                     self._before_commit()
             except BaseException as exc:
                 with suppress(sqlite3.Error):
-                    self._conn.execute("ROLLBACK")
+                    self.connection.execute("ROLLBACK")
                 if not self._handed:
                     self._ids.rolled_back()
                 self._deferred = []
@@ -354,7 +388,7 @@ class SqliteQueueStore(QueueStore):
         """Fold the WAL back into the database file (graceful shutdown)."""
         with self._lock:
             try:
-                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self.connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             except sqlite3.Error as exc:
                 raise StoreError(f"checkpoint of {self.path} failed: {exc}") from exc
 
@@ -389,7 +423,7 @@ class SqliteQueueStore(QueueStore):
         self.checkpointer.close()
         with self._lock:
             with suppress(sqlite3.Error):  # a database that cannot take it keeps the gap
-                self._ids.give_back(self._conn)
-            self._conn.close()
+                self._ids.give_back(self.connection)
+            self.connection.close()
         if self.syncer is not None:
             self.syncer.close_fd()

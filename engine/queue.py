@@ -109,11 +109,11 @@ class QueryQueue:
         self.send_cancel_message_fn = send_cancel_message_fn or self._cancel_in_background
         self.streams = Streams()
         self._reconcile_task: asyncio.Task[None] | None = None
-        self._reconcile_again = self._closing = self._closed = False
+        self._reconcile_again = self.closing = self._closed = False
         self.reconcile_runs = 0  # completed reconcileQueueImpl runs, for stats and tests
         self._reaped_at: int | None = None  # when this process last looked for stalled items
         self._background: set[asyncio.Task[Any]] = set()
-        # _closing: shutdown() in progress, start nothing new; _closed: close() was called.
+        # closing: shutdown() in progress, start nothing new; _closed: close() was called.
         self.executor = Executor(self)
         self.requests = RequestSide(self)
 
@@ -225,7 +225,7 @@ class QueryQueue:
 
     async def reconcile_queue(self) -> None:
         """Single-flight: callers during a run share it and cause exactly one more run."""
-        if self._closing or self._closed:
+        if self.closing or self._closed:
             return
         if self._reconcile_task is None:
             self._reconcile_again = False
@@ -463,7 +463,7 @@ class QueryQueue:
 
         As in Cube, the queue stays usable: later calls enqueue and reconcile as before.
         `close()` ends it for good."""
-        self._closing = True
+        self.closing = True
         try:
             in_flight = self._reconcile_task is not None
             if self._reconcile_task is not None:
@@ -474,7 +474,7 @@ class QueryQueue:
                 await asyncio.wait(list(self._background), timeout=grace)
             await self._stop_background()
         finally:
-            self._closing = False
+            self.closing = False
         return in_flight
 
     async def close(self, grace: float = 30.0) -> None:

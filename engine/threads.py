@@ -83,6 +83,11 @@ class HandlerThreads:
         self._closed = False
         self._work: queue.SimpleQueue[_Work] = queue.SimpleQueue()
 
+    @property
+    def idle(self) -> int:
+        """Threads waiting for a call."""
+        return self._idle
+
     def close(self) -> None:
         """Idle threads end now, busy ones once their call is done (a later `run` still
         runs, on a thread that then ends)."""

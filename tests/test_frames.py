@@ -184,7 +184,7 @@ def test_a_driver_never_closed_hangs_up_as_its_loop_ends(workdir: Path) -> None:
             return driver  # and never closed
 
         driver = asyncio.run(use())
-        link = driver._connection.link
+        link = driver.connection.link
         assert link is not None and link.transport is not None
         assert link.transport.is_closing() and not link.alive
     finally:

@@ -35,7 +35,7 @@ async def test_an_idle_thread_takes_the_next_call() -> None:
     threads = HandlerThreads()
     first = await threads.run(threading.get_ident)
     # The thread counts itself idle just after it delivered: wait for that, not a sleep.
-    await wait_until(lambda: threads._idle == 1, what="the thread idle")
+    await wait_until(lambda: threads.idle == 1, what="the thread idle")
     assert await threads.run(threading.get_ident) == first
 
 
@@ -69,7 +69,7 @@ async def test_closed_its_threads_end_and_a_later_call_still_runs() -> None:
         return sum(1 for t in threading.enumerate() if t.name == name)
 
     assert await threads.run(lambda: 1) == 1
-    await wait_until(lambda: threads._idle == 1, what="the thread idle")
+    await wait_until(lambda: threads.idle == 1, what="the thread idle")
     assert alive() == 1
     threads.close()
     await wait_until(lambda: alive() == 0, what="the idle thread ended")

@@ -106,7 +106,7 @@ def test_parked_polls_time_out_in_deadline_order_behind_one_timer() -> None:
     assert (answered.timed_out, late.timed_out) == (False, False)
     clock.advance_to(105.0)
     assert late.timed_out and clock.armed() == []
-    assert deadlines._heap == []
+    assert len(deadlines) == 0
 
 
 def test_answered_polls_do_not_pile_up_in_the_heap() -> None:
@@ -116,7 +116,7 @@ def test_answered_polls_do_not_pile_up_in_the_heap() -> None:
         poll = _Poll()
         deadlines.add(poll, 60.0)
         poll.answer()
-    assert len(deadlines._heap) <= 1025
+    assert len(deadlines) <= 1025
     assert len(clock.armed()) == 1
 
 

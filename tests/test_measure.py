@@ -67,27 +67,27 @@ def _pids(processes: list[psutil.Process]) -> set[int]:
     return {process.pid for process in processes}
 
 
-@pytest.mark.skipif(not measure._lists_children(), reason="/proc lists no children here")
+@pytest.mark.skipif(not measure.lists_children(), reason="/proc lists no children here")
 def test_the_tree_is_found_through_proc_as_psutil_finds_it() -> None:
     with _tree_of_three() as root:
         expected = {root.pid, *(p.pid for p in root.children(recursive=True))}
         assert len(expected) == 3
-        assert measure._descendants(root.pid) is not None
-        assert _pids(measure._tree(root)) == expected
+        assert measure.descendants(root.pid) is not None
+        assert _pids(measure.tree(root)) == expected
 
 
 def test_without_proc_children_the_tree_is_psutils(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(measure, "_lists_children", lambda: False)
+    monkeypatch.setattr(measure, "lists_children", lambda: False)
     with _tree_of_three() as root:
-        assert measure._descendants(root.pid) is None
+        assert measure.descendants(root.pid) is None
         expected = {root.pid, *(p.pid for p in root.children(recursive=True))}
-        assert _pids(measure._tree(root)) == expected and len(expected) == 3
+        assert _pids(measure.tree(root)) == expected and len(expected) == 3
 
 
 def test_a_process_gone_is_no_error() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(timeout=30)
-    assert measure._descendants(child.pid) in ([], None)
+    assert measure.descendants(child.pid) in ([], None)
 
 
 def test_the_meter_counts_a_tree_started_inside_it() -> None:

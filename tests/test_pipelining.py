@@ -134,7 +134,7 @@ async def test_callers_of_one_process_joining_one_item_each_claim_their_own_long
         got = await asyncio.gather(*waits)
         assert [g.payload if g else None for g in got] == ['{"result": 7}'] * 6
         assert await _sent(driver, "result_blocking") == polls_before + 6
-        assert len(driver._pipelined) == 0
+        assert len(driver.pipelined) == 0
     finally:
         await driver.close()
         await worker.close()
@@ -145,7 +145,7 @@ async def test_a_failing_add_leaves_no_long_poll_behind(served: QueueServer) -> 
     try:
         with pytest.raises(InvalidCommandError, match="payload"):
             await driver.add("p:k", "not json", then_wait_ms=10_000)
-        assert len(driver._pipelined) == 0
+        assert len(driver.pipelined) == 0
         await wait_until(lambda: _long_polls(driver, 0), what="no long poll left parked")
         assert (await driver.add("p:k", "{}")).added  # the connection goes on
     finally:
@@ -162,7 +162,7 @@ async def test_an_unclaimed_long_poll_lost_with_its_connection_leaves_no_warning
     driver = SocketQueueDriver(server.socket_path)
     try:
         added = await driver.add("p:k", orjson.dumps({"q": 1}).decode(), then_wait_ms=10_000)
-        (kept,) = driver._pipelined.kept((added.id, 10_000))
+        (kept,) = driver.pipelined.kept((added.id, 10_000))
         kept.link.close()  # the connection goes while the poll is parked, unclaimed
         await wait_until(kept.waited.done, what="the pipelined poll failed with its connection")
         await asyncio.sleep(0)  # its done callbacks have run
@@ -239,7 +239,7 @@ async def test_requests_time_out_on_one_deadline_heap_and_the_link_goes_on(
         outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
         timed_out = [o for o in outcomes if isinstance(o, CommandTimeoutError)]
         assert len(timed_out) == 50, outcomes
-        link = driver._connection.link
+        link = driver.connection.link
         assert link is not None and link.pending == {}
         assert await driver.ping() == "pong"
     finally:

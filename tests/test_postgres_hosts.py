@@ -351,7 +351,7 @@ def test_a_commit_whose_answer_is_lost_is_looked_up_not_guessed(
     """The ACK's COMMIT reaches the server but its answer never comes back: the store
     asks the database what became of that transaction (txid_status) on a fresh
     connection, and reports the ACK done, rather than an unknown outcome."""
-    from queryqueue.driver_postgres import statements
+    from queryqueue.driver_postgres import pipelined, statements
     from queryqueue.driver_postgres import store as pg
 
     proxy = Proxy()
@@ -368,7 +368,7 @@ def test_a_commit_whose_answer_is_lost_is_looked_up_not_guessed(
         store.add("p:k", "{}")
         retrieved = store.retrieve("p:k", concurrency=1)
         assert retrieved is not None and retrieved.id is not None
-        monkeypatch.setattr(pg, "scalar", lose_the_next_answer)
+        monkeypatch.setattr(pipelined, "scalar", lose_the_next_answer)
         ack = store.ack("p:k", '"done"')
         monkeypatch.undo()
         assert ack.success
@@ -386,7 +386,7 @@ async def test_a_waiter_is_woken_only_once_the_ack_has_committed(
 ) -> None:
     """The ACK's COMMIT is held back a moment: the waiter by path must not be told before
     it lands (it would take a row it cannot see yet, and the row would be read again)."""
-    from queryqueue.driver_postgres import statements
+    from queryqueue.driver_postgres import pipelined, statements
     from queryqueue.driver_postgres import store as pg
 
     store = pg.PostgresQueueStore(URL, schema=schema)
@@ -404,7 +404,7 @@ async def test_a_waiter_is_woken_only_once_the_ack_has_committed(
         assert retrieved is not None and retrieved.id is not None
         waiter = asyncio.ensure_future(store.result_blocking("p:k", 10_000))
         await wait_until(lambda: store.waiters.count() == 1, within=10)
-        monkeypatch.setattr(pg, "scalar", slow_commit)
+        monkeypatch.setattr(pipelined, "scalar", slow_commit)
         await store.run_off_loop(store.ack, "p:k", '"done"')
         found = await waiter
         assert found is not None and found.payload == '"done"'
@@ -499,7 +499,7 @@ async def test_parked_long_polls_rely_on_listen_while_it_is_healthy(
     looked = record_calls(monkeypatch, store, "_lookup")
     try:
         # Past its listener's first second, when its waiters look once more (a new epoch).
-        await wait_until(lambda: store._listen_epoch >= 2, within=30)
+        await wait_until(lambda: store.listen_epoch >= 2, within=30)
         ids = [store.add(f"p:k{i}", "{}").id for i in range(20)]
         # Twenty idle waiters for 2.5 s: each reads the table once; LISTEN covers the rest
         # (the store used to read it again every second: 60 transactions here).
@@ -525,19 +525,20 @@ def test_an_ack_notifies_only_while_another_host_listens(
     """A NOTIFY is for other hosts' waiters (this host's are woken in-process): a store
     whose listener counts no other on its channel sends none with its ACKs; one that
     starts listening says so (its hello), and ACKs notify again until it has gone."""
+    from queryqueue.driver_postgres import listening
     from queryqueue.driver_postgres import store as pg
 
-    monkeypatch.setattr(pg, "LISTEN_CHECK_S", 0.2)
+    monkeypatch.setattr(listening, "LISTEN_CHECK_S", 0.2)
     a = pg.PostgresQueueStore(URL, schema=schema)
     try:
-        wait_until_sync(lambda: not a._others_listen, within=30, what="a counted alone")
+        wait_until_sync(lambda: not a.others_listen, within=30, what="a counted alone")
         statements = _recording(a, monkeypatch)
         assert a.ack(a.add("p:one", "{}").id, '"r1"').success
         assert any(s.startswith("INSERT INTO results") for s in statements), statements
         assert not [s for s in statements if "pg_notify" in s]
         b = pg.PostgresQueueStore(URL, schema=schema)
         try:
-            wait_until_sync(lambda: a._others_listen, within=30, what="a heard of b")
+            wait_until_sync(lambda: a.others_listen, within=30, what="a heard of b")
             published = record_calls(monkeypatch, b, "_publish")
             two = a.add("p:two", "{}").id
             assert a.ack(two, '"r2"').success
@@ -549,7 +550,7 @@ def test_an_ack_notifies_only_while_another_host_listens(
             )
         finally:
             b.close()
-        wait_until_sync(lambda: not a._others_listen, within=30, what="a alone again")
+        wait_until_sync(lambda: not a.others_listen, within=30, what="a alone again")
     finally:
         monkeypatch.undo()
         a.close()
@@ -562,9 +563,10 @@ async def test_a_new_listeners_waiters_look_again_once_other_hosts_heard_of_it(
     hello: a waiter of the new host that looked before then finds such a result by one
     more look once the hello has had time to be heard (a new epoch), not at the safety
     re-check (30 s here)."""
+    from queryqueue.driver_postgres import listening
     from queryqueue.driver_postgres import store as pg
 
-    monkeypatch.setattr(pg, "LISTEN_GRACE_S", 5.0)
+    monkeypatch.setattr(listening, "LISTEN_GRACE_S", 5.0)
     a = pg.PostgresQueueStore(URL, schema=schema)
     monkeypatch.setattr(a, "_notifying", lambda: None)  # it never heard of b
     b = pg.PostgresQueueStore(URL, schema=schema, recheck_ms=100)
@@ -578,16 +580,16 @@ async def test_a_new_listeners_waiters_look_again_once_other_hosts_heard_of_it(
 
     monkeypatch.setattr(b, "_lookup", looked)
     try:
-        first_epoch = b._listen_epoch
+        first_epoch = b.listen_epoch
         item = a.add("p:k", "{}").id
         waiter = asyncio.ensure_future(b.result_blocking(item, 30_000))
         await wait_until(lambda: len(looks) == 1, within=30)
         assert looks == [None]
-        assert b._listen_epoch == first_epoch, "looked before the grace ended"
+        assert b.listen_epoch == first_epoch, "looked before the grace ended"
         assert a.ack(item, '"r"').success
         found = await asyncio.wait_for(waiter, 20)
         assert found is not None and found.payload == '"r"'
-        assert len(looks) == 2 and b._listen_epoch == first_epoch + 1
+        assert len(looks) == 2 and b.listen_epoch == first_epoch + 1
     finally:
         monkeypatch.undo()
         b.close()
@@ -774,7 +776,7 @@ def test_a_batch_whose_connection_dies_before_commit_runs_again_whole() -> None:
             attempts += 1
             answers: list[Any] = [store.add("p:a", "{}")]
             if attempts == 1:
-                _terminate(psycopg, store._connection().info.backend_pid)
+                _terminate(psycopg, store.connection().info.backend_pid)
             return answers + answers_or_errors(
                 lambda: store.add("p:b", "{}"), lambda: store.add("p:c", "{}")
             )
@@ -872,7 +874,7 @@ def _recording(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     `execute` is recorded once)."""
     from queryqueue.driver_postgres.lean import Lean
 
-    conn = store._connection()
+    conn = store.connection()
     statements: list[str] = []
     execute = conn.execute
     lean_execute = Lean.execute
@@ -1353,7 +1355,7 @@ def test_an_item_added_past_a_full_head_waits_behind_the_rows_not_read() -> None
             store.add("p:c", "{}", priority=1)
             return store.retrieve_next("p", concurrency=2, process_id="pool")
 
-        with mock.patch("queryqueue.driver_postgres.store.HEAD_SPARE", 0):  # one row read
+        with mock.patch("queryqueue.driver_postgres.pipelined.HEAD_SPARE", 0):  # one row read
             retrieved = store.batched(work, lambda _: None, prefix="p")
         assert [r.id for r in retrieved] == ids
         assert [row.id for row in store.pending("p")] == ["c"]
@@ -1495,7 +1497,7 @@ def test_a_conflict_in_a_pipelined_batch_is_its_commands_error_alone(
         assert ("SAVEPOINT command" in statements) is runs_again
         assert [row.id for row in store.pending("p")] == ["a", "c"]
         assert store.add("p:d", "{}").pending == 3
-        assert not store._connection().autocommit
+        assert not store.connection().autocommit
     finally:
         store.close()
 
@@ -1578,7 +1580,7 @@ def test_a_statement_prepared_in_a_pipeline_that_failed_is_prepared_again() -> N
 
         with pytest.raises(StoreError, match="division by zero"):
             store.batched(failing, lambda _: None)
-        conn = store._connection()
+        conn = store.connection()
         believed = store._statements._by_conn[conn].names
         assert "SELECT %s::int" in believed and "SELECT %s::text" not in believed
         held = {row[0] for row in conn.execute("SELECT name FROM pg_prepared_statements")}

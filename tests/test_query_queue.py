@@ -737,7 +737,7 @@ async def test_shutdown_lets_running_queries_finish_within_grace(
     caller = asyncio.create_task(queue.execute_in_queue("sql", "k", "k"))
     await wait_until(lambda: rec.running == 1)
     closing = asyncio.create_task(queue.shutdown(grace=30))
-    await wait_until(lambda: queue._closing)
+    await wait_until(lambda: queue.closing)
     assert not closing.done()
     rec.gate.set()
     await asyncio.wait_for(closing, 10)

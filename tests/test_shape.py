@@ -24,11 +24,6 @@ CAPS = {"module": 500, "class": 400, "function": 60}
 OVER = {
     "class engine/executor.py:Executor": 412,
     "class engine/queue.py:QueryQueue": 443,
-    "function driver_sqlite/store.py:__init__": 89,
-    "module driver_postgres/store.py": 909,
-    "class driver_postgres/store.py:PostgresQueueStore": 792,
-    "function driver_postgres/store.py:__init__": 74,
-    "function driver_postgres/store.py:_command_in": 65,
     "module queryqueue/demo.py": 614,
     "function queryqueue/demo.py:_client": 110,
     "function queryqueue/demo.py:_run": 98,

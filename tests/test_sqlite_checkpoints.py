@@ -25,7 +25,7 @@ def _fold_due(store: SqliteQueueStore) -> bool:
 def test_a_commit_runs_no_checkpoint_and_a_round_folds_the_whole_wal(tmp_path: Path) -> None:
     store = SqliteQueueStore(tmp_path / "q.db", checkpoint_every_s=None)
     try:
-        assert store._conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+        assert store.connection.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
         _add(store, 200, "a")
         frames, folded = store.checkpointer.step()
         assert frames > 0 and folded == frames
@@ -88,13 +88,13 @@ def test_a_failed_round_is_counted_and_logged_and_the_next_retries(
     store = SqliteQueueStore(tmp_path / "q.db", checkpoint_every_s=None)
     try:
         _add(store, 5, "a")
-        working = store.checkpointer._conn
-        store.checkpointer._conn = sqlite3.connect(":memory:")
-        store.checkpointer._conn.close()  # a round on it fails: a closed connection
+        working = store.checkpointer.connection
+        store.checkpointer.connection = sqlite3.connect(":memory:")
+        store.checkpointer.connection.close()  # a round on it fails: a closed connection
         assert store.checkpointer.step() == (0, 0)
         assert store.checkpointer.failures == 1
         assert "checkpoint of" in caplog.text and "the next round retries" in caplog.text
-        store.checkpointer._conn = working
+        store.checkpointer.connection = working
         frames, folded = store.checkpointer.step()
         assert frames > 0 and folded == frames
     finally:

@@ -165,7 +165,7 @@ def test_a_new_database_has_small_pages_and_an_existing_one_keeps_its_own(
     new = SqliteQueueStore(tmp_path / "new.db")
     try:
         new.add("p:a", big)
-        assert new._conn.execute("PRAGMA page_size").fetchone() == (PAGE_SIZE,)
+        assert new.connection.execute("PRAGMA page_size").fetchone() == (PAGE_SIZE,)
     finally:
         new.close()
     assert PAGE_SIZE != 4096
@@ -181,7 +181,7 @@ def test_a_new_database_has_small_pages_and_an_existing_one_keeps_its_own(
         store.close()
     store = SqliteQueueStore(old)
     try:
-        assert store._conn.execute("PRAGMA page_size").fetchone() == (4096,)
+        assert store.connection.execute("PRAGMA page_size").fetchone() == (4096,)
         definition = store.get("p:b")
         assert definition is not None and definition.payload == big
     finally:
@@ -203,17 +203,17 @@ def _steps(store: SqliteQueueStore, run: Callable[[], object]) -> int:
         steps += 1
         return 0
 
-    store._conn.set_progress_handler(step, 1)
+    store.connection.set_progress_handler(step, 1)
     try:
         run()
     finally:
-        store._conn.set_progress_handler(None, 1)
+        store.connection.set_progress_handler(None, 1)
     return steps
 
 
 def _results(store: SqliteQueueStore, ids: range, expire: int) -> None:
-    with store._conn:
-        store._conn.executemany(
+    with store.connection:
+        store.connection.executemany(
             "INSERT INTO results (id, path, value, deleted, expire) VALUES (?, ?, '1', 0, ?)",
             [(i, f"p:{i}", expire) for i in ids],
         )
@@ -253,8 +253,10 @@ def test_the_purge_reads_no_more_results_however_many_are_kept(tmp_path: Path) -
         _results(mixed, range(101, 10_101), expire=500_000)
         assert [mixed.purge_expired() for _ in range(3)] == [PURGE_BATCH] * 3
         assert _steps(mixed, mixed.purge_expired) < idle_small // 10
-        (kept,) = mixed._conn.execute("SELECT count(*) FROM results WHERE id <= 100").fetchone()
-        (left,) = mixed._conn.execute("SELECT count(*) FROM results WHERE id > 100").fetchone()
+        (kept,) = mixed.connection.execute(
+            "SELECT count(*) FROM results WHERE id <= 100"
+        ).fetchone()
+        (left,) = mixed.connection.execute("SELECT count(*) FROM results WHERE id > 100").fetchone()
         assert (kept, left) == (100, 10_000 - 4 * PURGE_BATCH)
     finally:
         mixed.close()
@@ -278,15 +280,17 @@ def test_a_version_3_database_loses_its_expire_index_and_keeps_its_results(
     clock.advance(500)
     second = store.add("p:second", "{}").id
     store.ack(second, '{"r": 2}')
-    assert store._conn.execute(
+    assert store.connection.execute(
         "SELECT 1 FROM sqlite_master WHERE name = 'results_expire'"
     ).fetchone()
     store.close()
     monkeypatch.undo()
     store = SqliteQueueStore(db, clock=clock, result_ttl_ms=1_000)
     try:
-        assert store._conn.execute("PRAGMA user_version").fetchone() == (schema.LATEST_VERSION,)
-        assert not store._conn.execute(
+        assert store.connection.execute("PRAGMA user_version").fetchone() == (
+            schema.LATEST_VERSION,
+        )
+        assert not store.connection.execute(
             "SELECT 1 FROM sqlite_master WHERE name = 'results_expire'"
         ).fetchone()
         got = store.result(first)
@@ -321,7 +325,7 @@ def test_a_version_1_database_is_migrated_and_its_pending_items_still_orphan(
     clock.advance(10_000)
     store = SqliteQueueStore(db, clock=clock)
     try:
-        version = store._conn.execute("PRAGMA user_version").fetchone()[0]
+        version = store.connection.execute("PRAGMA user_version").fetchone()[0]
         assert version == schema.LATEST_VERSION
         assert [r.id for r in store.orphaned(60_000, "p")] == ["own"]
         assert [r.id for r in store.orphaned(5_000, "p")] == ["own", "old"]
@@ -446,7 +450,7 @@ def test_a_batch_whose_commands_do_not_fail_after_writing_opens_no_savepoint(
     try:
         first = store.add("p:a", "{}").id
         store.add("other:e", "{}", external_id="e")
-        store._conn.set_trace_callback(statements.append)
+        store.connection.set_trace_callback(statements.append)
         answers = store.batched(
             lambda: answers_or_errors(
                 lambda: store.add("p:b", "{}"),
@@ -457,7 +461,7 @@ def test_a_batch_whose_commands_do_not_fail_after_writing_opens_no_savepoint(
             ),
             lambda _: None,
         )
-        store._conn.set_trace_callback(None)
+        store.connection.set_trace_callback(None)
         assert [type(a).__name__ for a in answers] == [
             "AddToQueueResponse",
             "RetrieveResponse",
@@ -475,10 +479,10 @@ def test_a_batch_whose_commands_do_not_fail_after_writing_opens_no_savepoint(
         assert _counters(store) == {"p": (0, 1), "other": (1, 0)}
         # A batch opened directly (no `batched` to run it again) keeps its savepoints.
         statements.clear()
-        store._conn.set_trace_callback(statements.append)
+        store.connection.set_trace_callback(statements.append)
         with store.batch():
             store.add("p:e", "{}")
-        store._conn.set_trace_callback(None)
+        store.connection.set_trace_callback(None)
         assert [s.split()[0] for s in statements if s.startswith(("SAVEPOINT", "RELEASE"))] == [
             "SAVEPOINT",
             "RELEASE",
@@ -583,7 +587,7 @@ def test_counters_kept_for_the_commit_are_not_written_alone_after_sqlite_rolled_
     try:
         with pytest.raises(StoreError), store.batch():
             store.add("p:a", "{}")
-            store._conn.execute("ROLLBACK")  # as SQLite does by itself on some errors
+            store.connection.execute("ROLLBACK")  # as SQLite does by itself on some errors
         assert store.pending("p") == []
         assert store.add("p:b", "{}").pending == 1
         assert _counters(store) == {"p": (1, 0)}

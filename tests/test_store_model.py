@@ -402,7 +402,7 @@ def test_a_pool_batch_retrieves_what_its_commands_one_by_one_would(
             return _run_all(store, commands)
 
         # A window (1 + spare rows) that fills up and shrinks past what is asked.
-        with mock.patch("queryqueue.driver_postgres.store.HEAD_SPARE", spare):
+        with mock.patch("queryqueue.driver_postgres.pipelined.HEAD_SPARE", spare):
             assert store.batched(work, lambda _: None, "a") == expected
         assert store.list_items("a") == model.list_items("a")
         assert call(store, "retrieve_next", "a", concurrency=20, process_id=POOL_PROCESS) == (

@@ -486,7 +486,7 @@ FORK_SCRIPT = textwrap.dedent(
     if pid == 0:
         # the child inherits the driver object and must open its own connection
         added, connections = asyncio.run(use("child"))
-        os._exit(0 if added and driver._connection.link is not None else 3)
+        os._exit(0 if added and driver.connection.link is not None else 3)
     _, status = os.waitpid(pid, 0)
     print("child", os.waitstatus_to_exitcode(status), flush=True)
     print("parent", *asyncio.run(use("after")), flush=True)
