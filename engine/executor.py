@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -40,7 +39,7 @@ from queryqueue.engine.loop_run import (
 from queryqueue.engine.outcome import CANCELLED_MESSAGE, encode_error
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
-from queryqueue.engine.threads import HandlerThreads
+from queryqueue.engine.threads import HandlerThreads, ThreadedCalls
 
 if TYPE_CHECKING:
     from queryqueue.engine.queue import QueryQueue
@@ -59,18 +58,15 @@ class Executor:
     # leaving it to come through the loop (`HandlerThreads.run`): 0 but in a process
     # whose loop has nothing else to do while its one query runs (a pool's worker).
     sync_handler_wait = 0.0
-    # Set in a process whose loop has nothing else to do while its one query runs (a
-    # pool's worker): a sync handler then runs on the loop's thread, sparing the hop to a
-    # handler thread and back (two thread wake-ups a query), and this watches it.
+    # Set in a pool's worker (its loop has nothing else to do): a sync handler runs on the
+    # loop's thread, sparing two thread wake-ups a query, and this watches it.
     watch: LoopRunWatch | None = None
 
     def __init__(self, queue: QueryQueue) -> None:
         self.queue = queue
         self.executions: dict[QueueId, Execution] = {}
-        self._threads_lock = threading.Lock()
-        self._threads_done = threading.Condition(self._threads_lock)
-        self._handler_threads = 0
         self._threads = HandlerThreads()
+        self._in_threads = ThreadedCalls()
 
     async def execute_query(
         self, retrieved: RetrievedQuery, *, acknowledging: Callable[[], None] | None = None
@@ -202,27 +198,9 @@ class Executor:
     async def _run_handler(self, execution: Execution, watch: LoopRunWatch | None) -> Outcome:
         """Run the handler (on the loop's thread under `watch`, if given); its result as
         the JSON text (or binary result) to ACK with."""
-        retrieved = execution.retrieved
-        query = retrieved.query
+        query = execution.retrieved.query
         name = query.get("queryHandler")
-        loop = asyncio.get_running_loop()
-
-        def set_cancel_handler(value: Any) -> None:
-            # Called from the handler, possibly in a worker thread.
-            execution.cancel_handler = value
-            run, watch = execution.on_loop, self.watch
-            if run is not None and watch is not None and watch.carry_cancel_handler(run, value):
-                return
-
-            def record() -> None:
-                task = asyncio.ensure_future(self._record(execution, {"cancelHandler": value}))
-                execution.side_tasks.add(task)
-
-            if _in_loop(loop):
-                record()
-            else:
-                loop.call_soon_threadsafe(record)
-
+        set_cancel_handler = self._cancel_handler_setter(execution)
         if name == STREAM_HANDLER:
             return await self._run_stream(execution)
 
@@ -241,7 +219,9 @@ class Executor:
         else:
             # A sync handler runs in a thread so this loop keeps heartbeating.
             execution.handler_task = self._threads.run(
-                functools.partial(self._in_thread, handler, query.get("query"), set_cancel_handler),
+                functools.partial(
+                    self._in_threads.call, handler, query.get("query"), set_cancel_handler
+                ),
                 within=self.sync_handler_wait,
             )
         try:
@@ -258,6 +238,28 @@ class Executor:
         if inspect.isawaitable(value):
             value = await value
         return self.queue.codecs.encode_outcome(value)
+
+    def _cancel_handler_setter(self, execution: Execution) -> SetCancelHandler:
+        """The `set_cancel_handler` a handler is given: it records the handler's cancel
+        data in the item (from the handler's thread, through the loop)."""
+        loop = asyncio.get_running_loop()
+
+        def set_cancel_handler(value: Any) -> None:
+            execution.cancel_handler = value
+            run, watch = execution.on_loop, self.watch
+            if run is not None and watch is not None and watch.carry_cancel_handler(run, value):
+                return
+
+            def record() -> None:
+                task = asyncio.ensure_future(self._record(execution, {"cancelHandler": value}))
+                execution.side_tasks.add(task)
+
+            if _in_loop(loop):
+                record()
+            else:
+                loop.call_soon_threadsafe(record)
+
+        return set_cancel_handler
 
     def _watch_for(self, name: str) -> LoopRunWatch | None:
         """The watch to run this handler under on the loop's thread (None: not there)."""
@@ -342,33 +344,18 @@ class Executor:
         await stream.end()
         return '{"streamResult":true}'
 
-    def _in_thread(
-        self, handler: QueryHandler, query: Any, set_cancel_handler: SetCancelHandler
-    ) -> Any:
-        with self._threads_lock:
-            self._handler_threads += 1
-        try:
-            return handler(query, set_cancel_handler)
-        finally:
-            with self._threads_lock:
-                self._handler_threads -= 1
-                if not self._handler_threads:
-                    self._threads_done.notify_all()
-
     def close(self) -> None:
         self._threads.close()
 
     def wait_for_handler_threads(self, timeout: float | None = None) -> bool:
         """Block until no sync handler runs in a thread; False on timeout."""
-        with self._threads_done:
-            return self._threads_done.wait_for(lambda: not self._handler_threads, timeout)
+        return self._in_threads.wait_for_none(timeout)
 
     @property
     def handler_threads(self) -> int:
         """Sync handlers still running in threads — including ones whose execution was
         cancelled or timed out, which Python cannot stop (a worker process can be)."""
-        with self._threads_lock:
-            return self._handler_threads
+        return self._in_threads.running
 
     async def _record(self, execution: Execution, patch: dict[str, Any]) -> None:
         """Merge `patch` into the item's extra; a failure is logged, not raised."""

@@ -34,8 +34,9 @@ from queryqueue.engine.handlers import (
     SendProcessMessage,
     StreamHandler,
 )
-from queryqueue.engine.hashing import hash_query_key, js_number, may_run_in
+from queryqueue.engine.hashing import hash_query_key, js_number
 from queryqueue.engine.outcome import encode_cancelled
+from queryqueue.engine.reconcile import Reconciler
 from queryqueue.engine.requests import Request, RequestSide
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -43,8 +44,6 @@ from queryqueue.engine.store import QueueStore
 from queryqueue.engine.stream import QueryStream, Streams
 
 SendCancelMessage = Callable[[QueryDef, QueueId | None], Awaitable[None]]
-
-REAP_INTERVAL_MS = 1000
 
 
 # How long past a caller's timeout `run` waits before it gives up on a wait that did not
@@ -108,10 +107,8 @@ class QueryQueue:
         self.send_process_message_fn = send_process_message_fn or self._execute_in_background
         self.send_cancel_message_fn = send_cancel_message_fn or self._cancel_in_background
         self.streams = Streams()
-        self._reconcile_task: asyncio.Task[None] | None = None
-        self._reconcile_again = self.closing = self._closed = False
-        self.reconcile_runs = 0  # completed reconcileQueueImpl runs, for stats and tests
-        self._reaped_at: int | None = None  # when this process last looked for stalled items
+        self.closing = self._closed = False
+        self.reconciler = Reconciler(self)
         self._background: set[asyncio.Task[Any]] = set()
         # closing: shutdown() in progress, start nothing new; _closed: close() was called.
         self.executor = Executor(self)
@@ -225,69 +222,8 @@ class QueryQueue:
 
     async def reconcile_queue(self) -> None:
         """Single-flight: callers during a run share it and cause exactly one more run."""
-        if self.closing or self._closed:
-            return
-        if self._reconcile_task is None:
-            self._reconcile_again = False
-            self._reconcile_task = asyncio.ensure_future(self._reconcile_loop())
-        else:
-            self._reconcile_again = True
-        await asyncio.shield(self._reconcile_task)
-
-    async def _reconcile_loop(self) -> None:
-        # Cube clears the flag only when it creates a run: calls that arrive after the run
-        # was created (even before it started) cause exactly one more.
-        try:
-            while True:
-                await self._reconcile_queue_impl()
-                self.reconcile_runs += 1
-                if not self._reconcile_again:
-                    return
-                self._reconcile_again = False
-        finally:
-            self._reconcile_task = None
-
-    async def _reconcile_queue_impl(self) -> None:
-        conn = self.connection
-        # Stalled and orphaned items are looked for at most once per REAP_INTERVAL_MS per
-        # process: their timeouts are tens of seconds, and every process reconciles, so
-        # this costs a reaped item at most that much more life and saves a round trip on
-        # the path of every query.
-        now = self.clock.now_ms()
-        if self._reaped_at is None or now - self._reaped_at >= REAP_INTERVAL_MS:
-            self._reaped_at = now
-            to_cancel = await conn.get_queries_to_cancel()
-            if to_cancel:
-                await asyncio.gather(*(self._remove_orphaned(h, q) for h, q in to_cancel))
-        # One round trip for both listings: PENDING's limit is trimmed once ACTIVE is known.
-        active, to_process = await asyncio.gather(
-            conn.get_active_queries(), conn.get_to_process_queries(limit=self.concurrency)
-        )
-        to_process_limit = 1 if len(active) >= self.concurrency else self.concurrency - len(active)
-        # The store hides other processes' persistent items already; the suffix check keeps
-        # the design's rule explicit should a driver not.
-        mine = [(h, q) for h, q in to_process if may_run_in(h, self.process_uid)][:to_process_limit]
-        await asyncio.gather(*(self.process_query(h, q) for h, q in mine))
-
-    async def _remove_orphaned(self, query_key_hash: str, queue_id: QueueId) -> None:
-        if queue_id in self.executor.executions or (self.held_here and self.held_here(queue_id)):
-            # Alive here: its heartbeats were late (the store away, a lane behind), and
-            # reaping it would run it twice. Beaten now instead.
-            await self.connection.update_heartbeat(query_key_hash, queue_id)
-            return
-        query_def = await self.connection.get_query_and_remove(query_key_hash, queue_id)
-        if query_def is None:
-            return
-        self.events.emit(
-            ev.REMOVING_ORPHANED,
-            {
-                "queueId": queue_id,
-                "queryKey": query_def.get("queryKey"),
-                "queuePrefix": self.prefix,
-                "requestId": query_def.get("requestId"),
-            },
-        )
-        await self.send_cancel_message_fn(query_def, queue_id)
+        if not (self.closing or self._closed):
+            await self.reconciler.run()
 
     # -- background side ----------------------------------------------------------------------
 
@@ -465,9 +401,7 @@ class QueryQueue:
         `close()` ends it for good."""
         self.closing = True
         try:
-            in_flight = self._reconcile_task is not None
-            if self._reconcile_task is not None:
-                await asyncio.gather(self._reconcile_task, return_exceptions=True)
+            in_flight = await self.reconciler.finish()
             if self._background and grace > 0:
                 # Executions may be running other processes' queries: cutting them off
                 # would make those run twice once reclaimed.
@@ -484,9 +418,8 @@ class QueryQueue:
         self.executor.close()  # its idle handler threads end
 
     async def _stop_background(self) -> None:
-        while self._reconcile_task is not None or self._background:
-            if self._reconcile_task is not None:
-                await asyncio.gather(self._reconcile_task, return_exceptions=True)
+        while self.reconciler.running or self._background:
+            await self.reconciler.finish()
             for task in list(self._background):
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)

@@ -148,3 +148,29 @@ def settle(future: asyncio.Future[Any], value: Any, error: BaseException | None)
         future.set_result(value)
     else:
         future.set_exception(error)
+
+
+class ThreadedCalls:
+    """How many calls run on handler threads now, and a wait until none does: a call
+    cancelled or timed out still runs (Python cannot stop a thread), and a process that
+    ends waits for such calls first."""
+
+    def __init__(self) -> None:
+        self._done = threading.Condition(threading.Lock())
+        self.running = 0
+
+    def call(self, function: Callable[..., Any], *args: Any) -> Any:
+        with self._done:
+            self.running += 1
+        try:
+            return function(*args)
+        finally:
+            with self._done:
+                self.running -= 1
+                if not self.running:
+                    self._done.notify_all()
+
+    def wait_for_none(self, timeout: float | None = None) -> bool:
+        """Block until no call runs; False on timeout."""
+        with self._done:
+            return self._done.wait_for(lambda: not self.running, timeout)

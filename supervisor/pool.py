@@ -206,7 +206,7 @@ class WorkerPool:
             "reclaimed": len(self.takeback.reclaimed),
             "reloads": processes.reloads,
             "reload_error": processes.reload_error,
-            "reconciles": self.queue.reconcile_runs if self.queue is not None else 0,
+            "reconciles": self.queue.reconciler.runs if self.queue is not None else 0,
             "budget": {self.queue.prefix: self.queue.concurrency} if self.queue else {},
         }
 

@@ -518,7 +518,7 @@ async def test_reconcile_is_single_flight_with_one_extra_run(make_queue: MakeQue
     entered = asyncio.Event()
     release = asyncio.Event()
     runs = 0
-    original = queue._reconcile_queue_impl
+    original = queue.reconciler.once
 
     async def slow_impl() -> None:
         nonlocal runs
@@ -527,7 +527,7 @@ async def test_reconcile_is_single_flight_with_one_extra_run(make_queue: MakeQue
         await release.wait()
         await original()
 
-    queue._reconcile_queue_impl = slow_impl  # type: ignore[method-assign]
+    queue.reconciler.once = slow_impl  # type: ignore[method-assign]
     first = asyncio.create_task(queue.reconcile_queue())
     await entered.wait()
     others = [asyncio.create_task(queue.reconcile_queue()) for _ in range(10)]
@@ -894,14 +894,14 @@ async def test_reconcile_calls_made_before_the_run_started_still_cause_one_more(
 ) -> None:
     queue = make_queue()
     runs = 0
-    original = queue._reconcile_queue_impl
+    original = queue.reconciler.once
 
     async def counted() -> None:
         nonlocal runs
         runs += 1
         await original()
 
-    queue._reconcile_queue_impl = counted  # type: ignore[method-assign]
+    queue.reconciler.once = counted  # type: ignore[method-assign]
     # Ten calls in one loop turn: the first creates the run, the other nine arrive before
     # it has started. Cube: exactly one more run, not none.
     await asyncio.gather(*(queue.reconcile_queue() for _ in range(10)))

@@ -22,8 +22,6 @@ PACKAGES = [
 ]
 CAPS = {"module": 500, "class": 400, "function": 60}
 OVER = {
-    "class engine/executor.py:Executor": 412,
-    "class engine/queue.py:QueryQueue": 443,
     "module queryqueue/demo.py": 614,
     "function queryqueue/demo.py:_client": 110,
     "function queryqueue/demo.py:_run": 98,
