@@ -221,13 +221,11 @@ class Answers:
 
     def park_poll(self, request: Request, waiter: Waiter) -> None:
         """A long poll whose first look found nothing waits for its ACK's event (at
-        shutdown: answered at once, with its timeout answer)."""
-        if self.server.store.blocking:  # its ACK may come from another host: the store waits
-            task = asyncio.ensure_future(self.result_blocking(request, waiter))
-            self.park(request, task)
-            if self.server.stopping or request.connection.closed:
-                task.cancel()
-            return
+        shutdown: answered at once, with its timeout answer), as the runner has it."""
+        self.server.runner.park(request, waiter)
+
+    def park_in_memory(self, request: Request, waiter: Waiter) -> None:
+        """... woken by the ACK's event in this process (every ACK commits here)."""
         key, timeout_ms = poll_args(request)
         parked = request.connection.parked
 
@@ -241,6 +239,13 @@ class Answers:
         parked.add(poll)
         if self.server.stopping or request.connection.closed:
             poll.cancel()
+
+    def park_on_store(self, request: Request, waiter: Waiter | None = None) -> None:
+        """... waited for by the store (its ACK may come from another host)."""
+        task = asyncio.ensure_future(self.result_blocking(request, waiter))
+        self.park(request, task)
+        if self.server.stopping or request.connection.closed:
+            task.cancel()
 
     async def result_blocking(self, request: Request, waiter: Waiter | None = None) -> None:
         """A blocking store's long poll; `waiter`: its first look ran in a batch."""

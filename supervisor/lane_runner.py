@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.lanes import route_of
 from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.waiters import Waiter
 from queryqueue.supervisor.core.handoff import Pool
 from queryqueue.supervisor.core.requests import Request, acks_last, coming, ends_or_waits
 from queryqueue.supervisor.runner import Runner
@@ -48,6 +49,17 @@ class LaneRunner(Runner):
         finally:
             if self.server.inbox:
                 self.schedule()
+
+    def polls_itself(self, request: Request) -> bool:
+        """A long poll of its own (not one sent with its ADD) waits on the store, which
+        hears of ACKs from every host."""
+        if request.follows is not None:
+            return False
+        self.server.answers.park_on_store(request)
+        return True
+
+    def park(self, request: Request, waiter: Waiter) -> None:
+        self.server.answers.park_on_store(request, waiter)
 
     def stop(self) -> None:
         super().stop()

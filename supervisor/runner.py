@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from queryqueue.driver_socket.segments import parse_reference
 from queryqueue.engine.errors import QueueError
 from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.waiters import Waiter
 from queryqueue.supervisor.connection import Connection
 from queryqueue.supervisor.core.linger import Linger
 from queryqueue.supervisor.core.requests import Request
@@ -68,6 +69,15 @@ class Runner:
 
     def answered(self) -> None:
         """Callers were just answered."""
+
+    def polls_itself(self, request: Request) -> bool:
+        """A long poll arrived: True if the runner waits for it itself (else its first
+        look runs in a batch, and it parks as the batch is answered: `park`)."""
+        return False
+
+    def park(self, request: Request, waiter: Waiter) -> None:
+        """A long poll whose first look in a batch found nothing: its wait."""
+        self.server.answers.park_in_memory(request, waiter)
 
     def stop(self) -> None:
         """Stopping: no more turns, and nothing waits for ACKs any more."""

@@ -324,10 +324,7 @@ class QueueServer:
                 )
                 connection.send({"id": request.id, "error": error_payload(error)})
                 return
-            if self.store.blocking and request.follows is None:
-                self.answers.park(
-                    request, asyncio.ensure_future(self.answers.result_blocking(request))
-                )
+            if self.runner.polls_itself(request):
                 return
             # Its first look runs in the batch (a savepoint of the batch's transaction, not
             # a transaction of its own); not found, it parks as the batch is answered.
