@@ -20,6 +20,16 @@ class InvalidCommandError(QueueError, ValueError):
     """
 
 
+class UnknownQueueError(InvalidCommandError):
+    """An ADD for a queue the supervisor's pools do not serve (a typo in a prefix, two
+    projects on one socket): refused at once, naming the queues served."""
+
+
+class UnknownHandlerError(InvalidCommandError):
+    """An ADD for a handler the queue's app does not have: refused at once, naming the
+    handlers it has."""
+
+
 class ExternalIdConflictError(InvalidCommandError):
     """EXTERNAL_ID is already carried by another queued item."""
 

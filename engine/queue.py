@@ -52,6 +52,9 @@ SendCancelMessage = Callable[[QueryDef, QueueId | None], Awaitable[None]]
 BOUND_SLACK_S = 1.0
 
 
+DEFAULT_CONCURRENCY = 2  # queries of a queue running at once, everywhere
+
+
 class QueryQueue:
     # Set by a supervisor's pool: the ids it holds for live workers, which are never stalled.
     held_here: Callable[[QueueId], bool] | None = None
@@ -63,7 +66,7 @@ class QueryQueue:
         query_handlers: Mapping[str, QueryHandler],
         cancel_handlers: Mapping[str, CancelHandler] | None = None,
         stream_handler: StreamHandler | None = None,
-        concurrency: int = 2,
+        concurrency: int = DEFAULT_CONCURRENCY,
         continue_wait_timeout: float = 5.0,
         execution_timeout: float = 600.0,
         orphaned_timeout: float = 120.0,

@@ -122,7 +122,9 @@ class RequestSide:
         if request.query_handler == STREAM_HANDLER:
             if self.queue.stream_handler is None:
                 raise InvalidCommandError("a stream query needs a stream_handler")
-        elif request.query_handler not in self.queue.query_handlers:
+        elif self.queue.query_handlers and request.query_handler not in self.queue.query_handlers:
+            # A queue with no handlers runs nothing itself (a thin client): whoever runs
+            # its queries (a supervisor's pool) says whether it knows the handler.
             raise InvalidCommandError(f"unknown query handler {request.query_handler!r}")
 
     async def _enqueue(

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from queryqueue.app import QueueApp
+from queryqueue.client import Client
 from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.driver_sqlite import SqliteQueueStore
 from queryqueue.engine.binary import ResultView
@@ -41,6 +42,8 @@ from queryqueue.engine.errors import (
     SchemaVersionError,
     StoreError,
     SupervisorUnavailableError,
+    UnknownHandlerError,
+    UnknownQueueError,
     WorkerLostError,
 )
 from queryqueue.engine.handlers import CancelHandler, QueryHandler, SetCancelHandler
@@ -61,6 +64,7 @@ __version__ = package_version()
 __all__ = [
     "AuthenticationError",
     "CancelHandler",
+    "Client",
     "Codecs",
     "CommandRejectedError",
     "CommandTimeoutError",
@@ -92,6 +96,8 @@ __all__ = [
     "StoreError",
     "SupervisorUnavailableError",
     "SyncQueryQueue",
+    "UnknownHandlerError",
+    "UnknownQueueError",
     "WorkerLostError",
     "__version__",
     "hash_query_key",

@@ -16,6 +16,7 @@ from queryqueue import cli_options
 from queryqueue.cli_options import DB_ENV
 from queryqueue.driver_socket.paths import default_socket_path
 from queryqueue.engine.errors import QueueError
+from queryqueue.engine.queue import DEFAULT_CONCURRENCY
 from queryqueue.supervisor import guard, logs
 from queryqueue.supervisor.loops import LoopUnavailableError, loop_factory
 from queryqueue.supervisor.tables import table
@@ -98,8 +99,10 @@ def _supervisor(
     from queryqueue.supervisor.server import Limits
 
     http, workers = _checked(parser, args)
-    if args.app is not None and not _app_loads(args.app):
-        return 2
+    if args.app is not None:
+        workers = _pool_size(args.app, args.workers)
+        if workers == 0:
+            return 2
     return run(
         args.store or args.db,
         socket_path,
@@ -148,7 +151,7 @@ def _checked(
         )
     except ValueError as exc:  # a bad $QUERYQUEUE_LOG_LEVEL, --http address
         parser.error(str(exc))
-    workers = args.workers if args.workers is not None else (2 if args.app else 0)
+    workers = args.workers if args.workers is not None else (1 if args.app else 0)
     if (args.app is None) != (workers == 0):
         parser.error("--app and --workers go together")
     if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
@@ -160,16 +163,30 @@ def _checked(
     return http, workers
 
 
-def _app_loads(app_ref: str) -> bool:
-    """Load the app here, so that a typo is one line and not a worker's traceback."""
+def _pool_size(app_ref: str, workers: int | None) -> int:
+    """The pool's workers: as many as its queue's budget unless told (0: refused, said
+    why). The app is loaded here, so that a typo is one line and not a worker's
+    traceback; a budget the workers cannot run is refused, with the arithmetic."""
     from queryqueue.app import AppNotFoundError, load_app
 
     try:
-        load_app(app_ref)
+        app = load_app(app_ref)
     except AppNotFoundError as exc:
         print(f"queryqueue: {exc}", file=sys.stderr)
-        return False
-    return True
+        return 0
+    budget = int(app.queue_options.get("concurrency", DEFAULT_CONCURRENCY))
+    if workers is None:
+        return budget
+    if workers < budget:
+        print(
+            f"queryqueue: queue {app.prefix!r} may run {budget} queries at once"
+            f" (concurrency={budget}), but --workers {workers} runs {workers} x 1 = {workers}:"
+            f" start it with --workers {budget} (or leave --workers out), or lower the app's"
+            " concurrency",
+            file=sys.stderr,
+        )
+        return 0
+    return workers
 
 
 async def _status(socket_path: Path, as_json: bool, watch: float | None, count: int | None) -> int:

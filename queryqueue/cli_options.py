@@ -209,7 +209,7 @@ def _pool_options(sup: argparse.ArgumentParser) -> None:
         "--workers",
         type=int,
         default=_int_env(WORKERS_ENV),
-        help=f"worker processes (with --app; 2 when --app is given alone); ${WORKERS_ENV}",
+        help=f"worker processes (with --app; by default its queue's concurrency); ${WORKERS_ENV}",
     )
     sup.add_argument(
         "--loop",

@@ -112,6 +112,8 @@ class WorkerPool:
         # server's next batch (set by the server whose socket the workers talk to).
         self.noted: Callable[[QueueId, str], None] | None = None
         self.queue: QueryQueue | None = None
+        # The queue it runs and its app's handlers, as last loaded (None: not started).
+        self.served: dict[str, frozenset[str]] | None = None
         self._poked = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -131,6 +133,7 @@ class WorkerPool:
             process_uid=f"supervisor-{os.getpid()}",
         )
         self.queue.held_here = self.alive
+        self.served = {self.queue.prefix: frozenset(app.query_handlers)}
         # Beat as often as the app's executors would, so no held item ever looks stalled.
         options = app.queue_options
         self.heartbeat_interval = min(

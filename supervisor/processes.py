@@ -16,6 +16,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import psutil
 
 from queryqueue.supervisor.core.slots import Worker
@@ -185,6 +186,10 @@ class Processes:
             )
             return False
         self.reloads, self.reload_error = self.reloads + 1, None
+        with contextlib.suppress(ValueError, IndexError):  # its handlers, as it printed them
+            handlers = frozenset(orjson.loads(done.stdout.strip().splitlines()[-1]))
+            if self.pool.prefix is not None:
+                self.pool.served = {self.pool.prefix: handlers}
         retiring = [worker for worker in self.pool.slots.workers if not worker.retiring]
         _log.warning(
             "reloading %s: %d workers retire after what they hold", self.pool.app_ref, len(retiring)
@@ -218,7 +223,10 @@ class Processes:
 
 def _loads_afresh(app_ref: str) -> subprocess.CompletedProcess[str]:
     """Import the app in a new interpreter, in this process's directory, as a worker would."""
-    script = "import sys; from queryqueue.app import load_app; load_app(sys.argv[1])"
+    script = (
+        "import sys, json; from queryqueue.app import load_app;"
+        " print(json.dumps(sorted(load_app(sys.argv[1]).query_handlers)))"
+    )
     return subprocess.run(
         [sys.executable, "-c", script, app_ref], capture_output=True, text=True, timeout=120
     )

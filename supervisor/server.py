@@ -300,6 +300,7 @@ class QueueServer:
                 shapes=self.shapes,
                 process_id=connection.process_id,
                 budget_of=self.pool.queue if self.pool is not None else None,
+                served=self.pool.served if self.pool is not None else None,
             )  # fmt: skip
         except orjson.JSONDecodeError as exc:
             error = InvalidCommandError(f"frame is not JSON: {exc}")

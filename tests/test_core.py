@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-from queryqueue import InvalidCommandError, MemoryQueueStore
+from queryqueue import (
+    InvalidCommandError,
+    MemoryQueueStore,
+    UnknownHandlerError,
+    UnknownQueueError,
+)
 from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.waiters import Waiter
 from queryqueue.supervisor.core.handoff import HandOff
@@ -206,3 +211,21 @@ def test_one_hand_off_reaches_a_worker_once_whichever_source_gives_it(workdir: P
     stream = RetrievedQuery("k@proc", 2, 2, 0, {"queryHandler": "sql", "query": 2})
     with pytest.raises(RuntimeError, match="stream query"):
         hand_off.give("p", stream)
+
+
+def test_a_query_for_a_queue_or_handler_no_pool_serves_is_refused() -> None:
+    shapes, served = Shapes(MemoryQueueStore()), {"p": frozenset({"sql"})}
+
+    def add(path: str, payload: str) -> Request:
+        message = Message("add", [path, payload], {}, None)
+        return make_request(
+            "caller", 1, message, 0.0, shapes=shapes, process_id=None, served=served
+        )
+
+    with pytest.raises(UnknownQueueError, match=r"no queue 'q' .* runs 'p'"):
+        add("q:k", '{"queryHandler": "sql", "query": 1}')
+    with pytest.raises(UnknownHandlerError, match=r"no handler 'nope' \(it has 'sql'\)"):
+        add("p:k", '{"queryHandler": "nope", "query": 1}')
+    assert add("p:k", '{"queryHandler": "sql", "query": 1}').args[0] == "p:k"
+    assert add("q:s", '{"queryHandler": "stream"}').args[0] == "q:s"  # runs in its caller
+    assert add("q:raw", "{}").args[0] == "q:raw"  # not a query: the store's, as in Cube

@@ -55,7 +55,7 @@ async def test_the_supervisor_and_its_workers_run_on_the_chosen_loop(
 
     expected = "uvloop" if choice == "auto" else "asyncio"
     supervisor = start_supervisor(
-        workdir / "queue.db", workdir / "s.sock", "--app", APP, "--workers", "1", "--loop", choice
+        workdir / "queue.db", workdir / "s.sock", "--app", APP, "--loop", choice
     )
     driver = SocketQueueDriver(supervisor.socket_path)
     queue = app.pool_queue(driver, continue_wait_timeout=10.0)

@@ -242,7 +242,7 @@ def test_json_logs_carry_the_events_fields_one_object_per_line(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    host = _pool_host(workdir, 1, "--log-level", "debug", "--log-format", "json")
+    host = _pool_host(workdir, 2, "--log-level", "debug", "--log-format", "json")
     try:
         asyncio.run(_one_query(host))
 

@@ -17,11 +17,14 @@ from typing import Any
 import pytest
 
 from queryqueue import (
+    Client,
     QueryTimeoutError,
     QueueApp,
     SocketQueueDriver,
     SqliteQueueStore,
     SupervisorUnavailableError,
+    UnknownHandlerError,
+    UnknownQueueError,
 )
 from queryqueue.engine.hashing import hash_query_key
 from tests.supervisor_util import SupervisorProcess, start_supervisor
@@ -188,3 +191,66 @@ async def test_status_shows_the_budget_of_the_queue_the_pool_runs(
     row = next(line for line in shown.stdout.splitlines() if line.startswith("pool "))
     cells = dict(zip(header.split(" | "), row.split(" | "), strict=True))
     assert cells["budget"].strip() == "2"
+
+
+async def test_an_add_for_a_queue_or_handler_the_pool_lacks_is_refused_at_once(
+    pool: SupervisorProcess,
+) -> None:
+    """A caller whose queue name (a typo, another project on the same socket) or handler
+    the supervisor does not serve gets an error naming what it does serve, at once,
+    instead of waiting for a worker that never comes; nothing of it is queued."""
+    driver = SocketQueueDriver(pool.socket_path)
+    try:
+        with pytest.raises(UnknownQueueError, match=r"no queue 'pooll' .* runs 'pool'"):
+            await driver.add("pooll:k", '{"queryHandler": "sql", "query": 1}')
+        with pytest.raises(UnknownHandlerError, match=r"no handler 'sqll' \(it has .*'sql'"):
+            await driver.add("pool:k", '{"queryHandler": "sqll", "query": 1}')
+        assert await driver.list_items("pooll") == [] and await driver.list_items("pool") == []
+    finally:
+        await driver.close()
+
+
+async def test_a_thin_client_gets_results_without_the_handlers_code(
+    pool: SupervisorProcess,
+) -> None:
+    client = Client(pool.socket_path)
+    try:
+        result = await client.run("pool", "sql", "thin", {"key": "thin", "seconds": 0})
+        assert result["key"] == "thin" and result["pid"] != os.getpid()
+        with pytest.raises(UnknownHandlerError):
+            await client.run("pool", "nope", "k", {})
+    finally:
+        await client.aclose()
+    loop_free = await asyncio.to_thread(
+        Client(pool.socket_path).run_sync, "pool", "sql", "sync", {"key": "sync", "seconds": 0}
+    )
+    assert loop_free["key"] == "sync"
+
+
+def test_a_budget_its_workers_cannot_run_is_refused_and_the_default_pool_follows_it(
+    workdir: Path,
+) -> None:
+    refused = subprocess.run(
+        [
+            sys.executable, "-m", "queryqueue", "supervisor", "--db", str(workdir / "q.db"),
+            "--socket", str(workdir / "s.sock"), "--app", APP, "--workers", "1",
+        ],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "may run 2 queries at once (concurrency=2), but --workers 1 runs 1" in refused.stderr
+    assert not (workdir / "q.db").exists()  # refused before anything was opened
+    process = start_supervisor(workdir / "queue.db", workdir / "s.sock", "--app", APP)
+    try:
+        stats = asyncio.run(_stats(process.socket_path))
+        assert stats["pool"]["size"] == 2  # the queue's concurrency
+    finally:
+        assert process.stop() == 0
+
+
+async def _stats(socket_path: Path) -> dict[str, Any]:
+    driver = SocketQueueDriver(socket_path)
+    try:
+        return await driver.stats()
+    finally:
+        await driver.close()

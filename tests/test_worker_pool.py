@@ -23,6 +23,7 @@ from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until_sync
 
 APP = "tests.apps.pool_app:app"
+SINGLE = "tests.apps.pool_app:single"  # one query at a time
 
 REQUESTS = textwrap.dedent(
     """
@@ -64,6 +65,7 @@ REQUESTS = textwrap.dedent(
 
 
 def _start_pool(workdir: Path, workers: int, *options: str) -> SupervisorProcess:
+    """A supervisor whose pool runs APP (a later `--app` in `options` runs that one)."""
     return start_supervisor(
         workdir / "queue.db", workdir / "s.sock", "--app", APP, "--workers", str(workers), *options
     )
@@ -289,10 +291,10 @@ async def _stats_pool(driver: SocketQueueDriver, counter: str, value: int) -> bo
 async def test_workers_are_recycled_after_max_tasks(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.apps.pool_app import app
+    from tests.apps.pool_app import single as app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = _start_pool(workdir, 1, "--max-tasks-per-worker", "2")
+    supervisor = _start_pool(workdir, 1, "--app", SINGLE, "--max-tasks-per-worker", "2")
     driver = SocketQueueDriver(supervisor.socket_path)
     queue = app.pool_queue(driver)
     try:
@@ -455,10 +457,10 @@ async def test_an_execution_timeout_in_a_worker_reaches_its_cancel_handler(
 async def test_workers_are_recycled_above_max_memory(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.apps.pool_app import app
+    from tests.apps.pool_app import single as app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = _start_pool(workdir, 1, "--max-memory-per-worker", "150")
+    supervisor = _start_pool(workdir, 1, "--app", SINGLE, "--max-memory-per-worker", "150")
     driver = SocketQueueDriver(supervisor.socket_path)
     queue = app.pool_queue(driver)
     try:

@@ -8,12 +8,19 @@ commands its freed slot serves, an ADD's pipelined long poll with its ADD).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from queryqueue.engine.commands import Command, served
-from queryqueue.engine.errors import InvalidCommandError, QueueError
+from queryqueue.engine.errors import (
+    InvalidCommandError,
+    QueueError,
+    UnknownHandlerError,
+    UnknownQueueError,
+)
 from queryqueue.engine.responses import AddAndRetrieveResponse, QueueId
 from queryqueue.supervisor.core import sqltext
 
@@ -21,6 +28,8 @@ from queryqueue.supervisor.core import sqltext
 COMMANDS = served()
 # How many argument shapes found fine a command keeps (`Shape.fine`).
 SHAPES_KEPT = 64
+# A stream query's handler: it runs in the process that asked for it (`check_served`).
+STREAM = "stream"
 # The commands whose concurrency is the pool's budget for its own queue (`apply_budget`).
 BUDGETED = frozenset({"add_and_retrieve", "retrieve"})
 
@@ -267,6 +276,38 @@ def read_message(message: dict[str, Any]) -> Message:
     return Message(cmd, args, kwargs, None)
 
 
+def check_served(
+    method: str, args: list[Any], kwargs: dict[str, Any], served: Mapping[str, Collection[str]]
+) -> None:
+    """A query (an ADD whose payload names its handler, as every QueryQueue sends) for a
+    queue no pool here serves, or for a handler its app lacks, is refused at once: it
+    would wait for a worker that never comes. Other ADDs are the store's (Cube's protocol);
+    a stream query runs in the process that asked for it, whatever the app has."""
+    path = args[0] if args else kwargs.get("path")
+    payload = args[1] if len(args) > 1 else kwargs.get("payload")
+    if not isinstance(path, str) or not isinstance(payload, str) or "queryHandler" not in payload:
+        return
+    try:
+        name = orjson.loads(payload).get("queryHandler")
+    except (orjson.JSONDecodeError, AttributeError):
+        return  # not a query definition: the store's concern
+    if not isinstance(name, str) or name == STREAM:
+        return
+    prefix = path.rpartition(":")[0]
+    handlers = served.get(prefix)
+    if handlers is None:
+        names = ", ".join(repr(name) for name in sorted(served)) or "none yet"
+        raise UnknownQueueError(
+            f"{method}: no queue {prefix!r} is served by this supervisor (its pool runs"
+            f" {names}): check the caller's queue name and socket"
+        )
+    if name not in handlers:
+        raise UnknownHandlerError(
+            f"{method}: queue {prefix!r} has no handler {name!r} (it has"
+            f" {', '.join(repr(h) for h in sorted(handlers)) or 'none'})"
+        )
+
+
 class Shapes:
     """The argument shapes of a store's commands, learned from its methods once each."""
 
@@ -292,11 +333,16 @@ def make_request(
     shapes: Shapes,
     process_id: str | None,
     budget_of: Any = None,
+    served: Mapping[str, Collection[str]] | None = None,
 ) -> Request:
     """A QUEUE command as a batch runs it: the server's options taken out of its keyword
     arguments (`dispatch`, `then_wait`), the connection's process id filled in, the pool's
-    budget set for the pool's own queue (`budget_of`, its queue), its arguments checked."""
+    budget set for the pool's own queue (`budget_of`, its queue), its arguments checked.
+    `served`: the queues this supervisor's pools run (prefix -> handler names; None: it
+    has no pool, and takes any queue, as Cube Store does)."""
     method, args, kwargs = message.method, message.args, message.kwargs
+    if served is not None and COMMANDS[method].adds:
+        check_served(method, args, kwargs, served)
     dispatch = method == "add_and_retrieve" and kwargs.pop("dispatch", False) is True
     if method in BUDGETED:
         apply_budget(budget_of, method, args, kwargs)

@@ -158,3 +158,4 @@ single = QueueApp(
 )
 single.handler("sql")(run)
 single.cancel_handler("sql")(cancel)
+single.handler("hoard")(hoard)
