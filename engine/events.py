@@ -17,6 +17,7 @@ CANCELLING_MANUAL = "Cancelling query manual"
 PERFORMING_QUERY = "Performing query"
 PERFORMING_COMPLETED = "Performing query completed"
 ERROR_WHILE_QUERYING = "Error while querying"
+QUERY_CANCELLED = "Query cancelled while it ran"
 CANCELLING_TIMEOUT = "Cancelling query due to timeout"
 CANCELLING_EXTERNAL = "Cancelling query due to external cancellation"
 HEARTBEAT = "Query processing heartbeat"
@@ -29,7 +30,13 @@ SKIP_PROCESSING = "Skip processing"
 QUEUE_STORAGE_ERROR = "Queue storage error"
 ERROR_PROCESSING_MESSAGE = "Error while processing message"
 
-_WARNINGS = {ORPHANED_RESULT, REMOVING_ORPHANED, CANCELLING_TIMEOUT, CANCELLING_EXTERNAL}
+_WARNINGS = {
+    ORPHANED_RESULT,
+    REMOVING_ORPHANED,
+    CANCELLING_TIMEOUT,
+    CANCELLING_EXTERNAL,
+    QUERY_CANCELLED,
+}
 _ERRORS = {
     ERROR_UPDATING_HEARTBEAT,
     ERROR_CHECKING_EXTERNAL,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from queryqueue.engine import events as ev
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.binary import Outcome
+from queryqueue.engine.cancelling import call_cancel_handler
 from queryqueue.engine.connection import QueryDef
 from queryqueue.engine.errors import (
     CommandTimeoutError,
@@ -29,7 +30,6 @@ from queryqueue.engine.errors import (
 )
 from queryqueue.engine.execution import Execution, execution_context
 from queryqueue.engine.handlers import QueryHandler, SetCancelHandler
-from queryqueue.engine.hashing import js_number
 from queryqueue.engine.loop_run import (
     LoopRun,
     LoopRunWatch,
@@ -140,6 +140,11 @@ class Executor:
             self.queue.events.emit(
                 ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
             )
+        except QueryCancelledError as exc:
+            result = encode_error(exc)
+            # Someone's decision, not a failure: a warning, with no traceback to page on.
+            duration = _ms_since(started)
+            self.queue.events.emit(ev.QUERY_CANCELLED, {**context, "duration": duration})
         except Exception as exc:
             result = encode_error(exc)
             # Logged here, once, with its traceback; callers get the text in the result.
@@ -420,41 +425,15 @@ class Executor:
     async def process_cancel(self, query_def: QueryDef, queue_id: QueueId | None) -> None:
         """Call the cancel handler of the query's handler, and stop the query if it runs in
         this process (an async handler stops; a thread can only be abandoned)."""
-        name = query_def.get("queryHandler")
         execution = self.executions.get(queue_id) if queue_id else None
-        task = execution.handler_task if execution is not None else None
-        running_here = execution is not None and task is not None and not task.done()
-        if execution is not None:
-            # Delivered: the heartbeat must not report the removal as an external cancel too.
-            execution.external_cancel_fired = True
-            execution.cancelled = running_here
-        try:
-            cancel = self.queue.cancel_handlers.get(str(name))
-            if cancel is None:
-                if not running_here:
-                    raise QueryError(f"No cancel handler for {name}")
-            else:
-                outcome = cancel(query_def)
-                if inspect.isawaitable(outcome):
-                    await outcome
-        except Exception as exc:
-            self.queue.events.emit(
-                ev.ERROR_WHILE_CANCEL,
-                {
-                    "queueId": queue_id,
-                    "queryKey": query_def.get("queryKey"),
-                    "queuePrefix": self.queue.prefix,
-                    "error": repr(exc),
-                },
-            )
-        finally:
-            if running_here and task is not None:
-                task.cancel()
+        await call_cancel_handler(self.queue, query_def, queue_id, execution)
 
 
 def _timeout_error(seconds: float) -> QueryTimeoutError:
-    minutes = js_number(seconds / 60)
-    return QueryTimeoutError(f"Query execution timeout after {minutes} min of waiting")
+    # In units people read (Cube says "after 0.1333 min of waiting").
+    return QueryTimeoutError(
+        f"Query execution timeout after {seconds:g} s (execution_timeout {seconds:g} s)"
+    )
 
 
 def _ms_since(started: float) -> int:

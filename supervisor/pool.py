@@ -37,6 +37,7 @@ from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.supervisor import loops
 from queryqueue.supervisor.beats import Beats
+from queryqueue.supervisor.core.handoff import HandOff
 from queryqueue.supervisor.core.slots import Job, Send, Slots, Worker
 from queryqueue.supervisor.loops import LoopChoice
 from queryqueue.supervisor.processes import Processes
@@ -102,8 +103,10 @@ class WorkerPool:
         self.saturated = False
         # Its worker processes: spawned, watched, retired, replaced.
         self.processes = Processes(self, context or multiprocess.get_context("spawn"))
-        # Which worker holds which query, and what waits for one (core/slots.py).
+        # Which worker holds which query, and what waits for one (core/slots.py); the one
+        # way a query reaches it, whoever retrieved it (core/handoff.py).
         self.slots = Slots()
+        self.hand_off = HandOff(self)
         self._heartbeats: asyncio.Task[None] | None = None
         self.beats = Beats(self)
         self._stopping = False
@@ -253,8 +256,9 @@ class WorkerPool:
             _log.warning("reconciling the pool's queue failed: %s", exc)
 
     async def _hand_off(self, retrieved: RetrievedQuery) -> None:
+        """What the pool's own reconcile retrieved: handed off as every source's is."""
         assert self.queue is not None
-        self.submit(self.queue.prefix, retrieved)
+        self.hand_off.give(self.queue.prefix, retrieved)
 
     def submit(self, prefix: str, retrieved: RetrievedQuery) -> None:
         """Accept a hand-off: it runs on the next idle worker."""

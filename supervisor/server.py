@@ -109,7 +109,7 @@ class QueueServer:
         self.deadlines: Deadlines[ParkedPoll] | None = None  # parked polls' (start)
         self.inbox = Inbox(self.settings.max_batch)
         self.shapes = Shapes(store)
-        self.hand_off = HandOff(pool)
+        self.hand_off = pool.hand_off if pool is not None else HandOff(None)
         self.transaction = BatchTransaction(store, self.hand_off, self._to_loop)
         self.answers = Answers(self)
         self.own_commands = OwnCommands(self)

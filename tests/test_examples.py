@@ -98,8 +98,6 @@ def test_the_duckdb_example_answers_arrow_that_becomes_pandas_and_polars() -> No
         directory / "s.sock",
         "--app",
         "duckdb_app:app",
-        "--workers",
-        "1",
         cwd=EXAMPLES,
     )
     try:

@@ -149,7 +149,7 @@ async def test_a_run_stopped_by_its_watch_ends_with_that_stops_error(timed_out: 
         _, result = await _execute(queue, store)
     finally:
         await queue.close(grace=0)
-    expected = "Query execution timeout after 0.025 min" if timed_out else "Query was cancelled"
+    expected = "Query execution timeout after 1.5 s" if timed_out else "Query was cancelled"
     assert expected in result["error"]
     assert "interrupted" not in result["error"]
     ((thread, handed),) = cancels
