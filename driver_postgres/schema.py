@@ -8,6 +8,7 @@ database newer than this code is refused.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from queryqueue.engine.errors import SchemaVersionError
@@ -102,6 +103,21 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
+
+
+# A schema's name as PostgreSQL keeps an unquoted one: migrations quote it and sessions
+# do not (search_path, advisory lock keys), so "QQUpper" would be two schemas at once.
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def check_schema(name: str) -> str:
+    """`name`, if it is a lower-case identifier; else a ValueError saying what is."""
+    if not isinstance(name, str) or _SCHEMA_NAME.fullmatch(name) is None:
+        raise ValueError(
+            f"a queue schema is a lower-case identifier (a-z, 0-9 and _, not starting with a"
+            f" digit, at most 63 characters), got {name!r}"
+        )
+    return name
 
 
 def migrate(conn: Any, schema: str) -> int:

@@ -50,7 +50,7 @@ from queryqueue.driver_postgres.batch import (
 )
 from queryqueue.driver_postgres.lean import Statements
 from queryqueue.driver_postgres.pipelined import RECONNECT_BACKOFF, PipelinedBatches
-from queryqueue.driver_postgres.schema import migrate
+from queryqueue.driver_postgres.schema import check_schema, migrate
 from queryqueue.driver_postgres.statements import (
     NEXT_SAVEPOINT,
     SAVEPOINT,
@@ -108,10 +108,8 @@ class PostgresQueueStore(PipelinedBatches):
             f" -c lock_timeout={round(lock_timeout * 1000)}"
             f" -c idle_in_transaction_session_timeout={round(idle_in_transaction_timeout * 1000)}"
         )
-        if not schema.replace("_", "").isalnum():
-            raise ValueError(f"schema must be letters, digits and _, got {schema!r}")
         self.url = url
-        self.schema = schema
+        self.schema = check_schema(schema)
         self.recheck_ms = recheck_ms
         self.safety_recheck_ms = safety_recheck_ms
         self.connect_timeout = connect_timeout

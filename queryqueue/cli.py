@@ -142,7 +142,7 @@ def _checked(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[tuple[str, int] | None, int]:
     """The supervisor's options, checked together: its --http address and its workers."""
-    if args.db is None and args.store is None:
+    if args.db is None and args.store is None and args.store_url_file is None:
         parser.error(f"the supervisor needs --db FILE or --store URL (or ${DB_ENV})")
     try:
         logs.configure(args.log_level, args.log_format, role="supervisor")
@@ -154,13 +154,42 @@ def _checked(
     workers = args.workers if args.workers is not None else (1 if args.app else 0)
     if (args.app is None) != (workers == 0):
         parser.error("--app and --workers go together")
+    args.store = _store_url(parser, args)
     if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
         parser.error("--store takes a postgresql:// URL")
+    if args.store is not None:
+        from queryqueue.driver_postgres.schema import check_schema  # psycopg: PostgreSQL's
+
+        try:
+            check_schema(args.schema)
+        except ValueError as exc:
+            parser.error(f"--schema: {exc}")
     try:
         loop_factory(args.loop)
     except LoopUnavailableError as exc:
         parser.error(str(exc))
     return http, workers
+
+
+def _store_url(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The PostgreSQL URL: from --store-url-file, $QUERYQUEUE_STORE or --store. One given on
+    the command line must not hold a password: every local user can read it there."""
+    from urllib.parse import urlsplit
+
+    if args.store_url_file is not None:
+        try:
+            return str(args.store_url_file.read_text().strip())
+        except OSError as exc:
+            parser.error(f"--store-url-file: {exc}")
+    url: str | None = args.store
+    from_argv = url is not None and url != os.environ.get(cli_options.STORE_ENV)
+    if from_argv and url is not None and urlsplit(url).password:
+        parser.error(
+            "--store: the URL holds a password, which the process list shows to every local"
+            " user: put it in PGPASSWORD, ~/.pgpass or a service file, or give the URL in"
+            f" --store-url-file or ${cli_options.STORE_ENV}"
+        )
+    return url
 
 
 def _pool_size(app_ref: str, workers: int | None) -> int:

@@ -17,6 +17,7 @@ from queryqueue.supervisor.settings import DEFAULT_STOP_GRACE
 DB_ENV = "QUERYQUEUE_DB"
 APP_ENV = "QUERYQUEUE_APP"
 WORKERS_ENV = "QUERYQUEUE_WORKERS"
+STORE_ENV = "QUERYQUEUE_STORE"
 
 
 def _int_env(name: str) -> int | None:
@@ -86,6 +87,7 @@ def _supervisor_command(commands: Any) -> None:
     )
     for add in (
         _store_options,
+        _postgres_options,
         _listening_options,
         _pool_options,
         _worker_limit_options,
@@ -107,8 +109,28 @@ def _store_options(sup: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--store",
         metavar="URL",
-        help="postgresql://... : a queue shared by the supervisors of several hosts",
+        default=os.environ.get(STORE_ENV) or None,
+        help="postgresql://... : a queue shared by the supervisors of several hosts; its"
+        f" password from PGPASSWORD, ~/.pgpass or a service file, never here; ${STORE_ENV}",
     )
+    where.add_argument(
+        "--store-url-file",
+        type=Path,
+        metavar="FILE",
+        help="read the postgresql:// URL from FILE (one that may hold a password: the"
+        " process list shows every argument to every local user)",
+    )
+    sup.add_argument(
+        "--synchronous",
+        choices=["NORMAL", "FULL"],
+        default="NORMAL",
+        help="SQLite durability: FULL also survives power loss (answers wait for the WAL's fsync, "
+        "made once for many commits off the loop)",
+    )
+
+
+def _postgres_options(sup: argparse.ArgumentParser) -> None:
+    """A queue on PostgreSQL: its schema, its sessions' timeouts, its connections."""
     sup.add_argument(
         "--schema", default="queryqueue", help="PostgreSQL schema of the queue (with --store)"
     )
@@ -140,13 +162,6 @@ def _store_options(sup: argparse.ArgumentParser) -> None:
         default=4,
         metavar="N",
         help="PostgreSQL: connections serving commands; a prefix waiting on a lock holds one",
-    )
-    sup.add_argument(
-        "--synchronous",
-        choices=["NORMAL", "FULL"],
-        default="NORMAL",
-        help="SQLite durability: FULL also survives power loss (answers wait for the WAL's fsync, "
-        "made once for many commits off the loop)",
     )
 
 

@@ -143,6 +143,10 @@ class WorkerPool:
             self.heartbeat_interval, float(options.get("heartbeat_interval", 30.0))
         )
         self.execution_timeout = float(options.get("execution_timeout", self.execution_timeout))
+        _log.info(
+            "pool of %d workers for queue %r (budget %d, handlers %s)",
+            self.size, app.prefix, self.queue.concurrency, ", ".join(sorted(app.query_handlers)),
+        )  # fmt: skip
         self.processes.fill()
         self._heartbeats = asyncio.ensure_future(self.beats.forever())
 
@@ -151,6 +155,7 @@ class WorkerPool:
         all, then end the workers (killed past it). What they held, unfinished, stays held
         until `give_back`."""
         self._stopping = True
+        _log.info("stopping: running queries have %s s to finish", grace)
         self.processes.stopping()
         if self._heartbeats is not None:
             self._heartbeats.cancel()

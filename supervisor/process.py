@@ -106,6 +106,7 @@ async def serve(
     finally:
         if db_lock is not None:
             db_lock.release()
+        _log.info("stopped")
 
 
 def _is_url(db: str | Path) -> TypeGuard[str]:
@@ -143,9 +144,9 @@ async def _serve_store(
         started = True
         if pool is not None:
             await pool.start()
-        print(f"queryqueue supervisor listening on {server.socket_path}", flush=True)
+        _log.info("listening on %s", server.socket_path)
         if server.tcp_address is not None:
-            print(f"queryqueue supervisor listening on tcp {server.tcp_address}", flush=True)
+            _log.info("listening on tcp %s", server.tcp_address)
         if http is not None and token is not None:
             site = await _start_site(server, http, token, token_file)
         if ready is not None:

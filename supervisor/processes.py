@@ -98,6 +98,7 @@ class Processes:
         # on wake-up; it gets its full share of the CPU otherwise.
         with contextlib.suppress(AttributeError, OSError):
             os.sched_setscheduler(process.pid, os.SCHED_BATCH, os.sched_param(0))
+        _log.info("worker %s started", process.pid)
         worker = Worker(process, parent)
         self.pool.slots.workers.append(worker)
         loop = asyncio.get_running_loop()
@@ -160,9 +161,12 @@ class Processes:
         if worker.next is not None:  # never started: back to the queue, run again
             self.pool.in_background(self.pool.takeback.give_back(worker.next.queue_id))
         if not self.pool.stopping:
+            pid, code = worker.process.pid, worker.process.exitcode
             if worker.retiring:
+                _log.info("worker %s retired (a task or memory limit, a reload): replaced", pid)
                 self.recycled += 1
             else:
+                _log.warning("worker %s exited with %s: replaced", pid, code)
                 self.replaced += 1
             self.fill()
 

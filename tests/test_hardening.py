@@ -64,7 +64,9 @@ def test_a_tcp_listener_cannot_be_made_without_a_token() -> None:
 
 
 def test_tcp_clients_must_present_the_token_before_any_command(workdir: Path) -> None:
-    supervisor = start_supervisor(workdir / "queue.db", workdir / "s.sock", "--tcp-port", "0")
+    supervisor = start_supervisor(
+        workdir / "queue.db", workdir / "s.sock", "--tcp-port", "0", "--log-level", "info"
+    )
     try:
         # Printed once both sockets listen, which may come after the Unix socket answers.
         wait_until_sync(lambda: _tcp_line(supervisor), within=30, what="the TCP listening line")

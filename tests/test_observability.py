@@ -261,6 +261,13 @@ def test_json_logs_carry_the_events_fields_one_object_per_line(
         assert done["level"] == "debug" and done["logger"] == "queryqueue.queue"
     finally:
         assert host.stop() == 0
+    # Every line the supervisor wrote is one JSON object, its start and stop included.
+    lines = [json.loads(line) for line in host.log.read_text().splitlines()]
+    said = [line["message"] for line in lines if line["pid"] == host.pid]
+    assert any(m.startswith("listening on ") for m in said)
+    assert any(m.startswith("pool of 2 workers for queue 'pool'") for m in said)
+    assert len([m for m in said if m.startswith("worker ") and m.endswith(" started")]) == 2
+    assert said[-1] == "stopped"
 
 
 async def _one_query(host: SupervisorProcess) -> None:

@@ -1740,3 +1740,56 @@ async def test_a_fast_tracked_querys_batch_reads_no_pending_head_for_the_pool(
     assert len(added) == 1 and len(acked) == 1, transactions
     assert not [s for s in added[0] if head in s], added[0]
     assert not [s for s in acked[0] if head in s], acked[0]
+
+
+def test_a_schema_name_postgresql_would_fold_is_refused_before_anything_is_written(
+    workdir: Path,
+) -> None:
+    """Migrations quote a schema's name and sessions do not: "MixedCase" would be created
+    as itself and used as "mixedcase", writing into another queue's tables. Only
+    lower-case identifiers are taken, by the store and by the command line."""
+    import subprocess
+    import sys
+
+    from queryqueue.driver_postgres import store as pg
+
+    for name in ("MixedCase", "1st", "a-b", "x" * 64):
+        with pytest.raises(ValueError, match="lower-case identifier"):
+            pg.PostgresQueueStore("postgresql://nowhere.invalid/none", schema=name)
+    refused = subprocess.run(
+        [
+            sys.executable, "-m", "queryqueue", "supervisor", "--store", URL,
+            "--schema", "MixedCase", "--socket", str(workdir / "s.sock"),
+        ],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--schema: a queue schema is a lower-case" in refused.stderr
+
+
+def test_a_password_never_comes_from_the_command_line(workdir: Path) -> None:
+    """Every local user reads the process list: a URL with a password is refused on the
+    command line (without echoing it), and taken from --store-url-file or
+    $QUERYQUEUE_STORE. (A bad --schema stops each run right after the URL is read.)"""
+    import subprocess
+    import sys
+
+    secret = "postgresql://queue:hunter2@127.0.0.1:5432/queue"
+
+    def supervisor(*options: str, env: dict[str, str] | None = None) -> Any:
+        return subprocess.run(
+            [sys.executable, "-m", "queryqueue", "supervisor", "--socket",
+             str(workdir / "s.sock"), "--schema", "Bad", *options],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+
+    refused = supervisor("--store", secret)
+    assert refused.returncode == 2 and "holds a password" in refused.stderr
+    assert "hunter2" not in refused.stderr
+    url_file = workdir / "store.url"
+    url_file.write_text(secret + "\n")
+    url_file.chmod(0o600)
+    for taken in (supervisor("--store-url-file", str(url_file)),
+                  supervisor(env={"QUERYQUEUE_STORE": secret})):  # fmt: skip
+        assert taken.returncode == 2 and "--schema: a queue schema" in taken.stderr
+    missing = supervisor("--store-url-file", str(workdir / "nothing"))
+    assert missing.returncode == 2 and "--store-url-file:" in missing.stderr
