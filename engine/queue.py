@@ -30,9 +30,10 @@ from queryqueue.engine.events import EventLogger, Events
 from queryqueue.engine.executor import Executor
 from queryqueue.engine.handlers import (
     CancelHandler,
-    QueryHandler,
+    Handler,
     SendProcessMessage,
     StreamHandler,
+    as_query_handler,
 )
 from queryqueue.engine.hashing import hash_query_key, js_number
 from queryqueue.engine.outcome import encode_cancelled
@@ -63,7 +64,7 @@ class QueryQueue:
         self,
         prefix: str,
         *,
-        query_handlers: Mapping[str, QueryHandler],
+        query_handlers: Mapping[str, Handler],
         cancel_handlers: Mapping[str, CancelHandler] | None = None,
         stream_handler: StreamHandler | None = None,
         concurrency: int = DEFAULT_CONCURRENCY,
@@ -89,7 +90,9 @@ class QueryQueue:
             heartbeat_interval=heartbeat_interval,
         )
         self.prefix = prefix
-        self.query_handlers = dict(query_handlers)
+        self.query_handlers = {
+            name: as_query_handler(name, handler) for name, handler in query_handlers.items()
+        }
         self.cancel_handlers = dict(cancel_handlers or {})
         self.stream_handler = stream_handler
         self.concurrency = concurrency

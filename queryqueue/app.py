@@ -29,15 +29,17 @@ from queryqueue.engine.codec import Codecs
 from queryqueue.engine.driver import QueueDriver
 from queryqueue.engine.handlers import (
     CancelHandler,
-    QueryHandler,
+    Handler,
     SendProcessMessage,
     StreamHandler,
+    as_query_handler,
 )
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.sync import SyncQueryQueue
 
 F = TypeVar("F", bound=Callable[..., Any])
+H = TypeVar("H", bound=Handler)
 
 
 class QueueApp:
@@ -49,7 +51,7 @@ class QueueApp:
         self.queue_options = queue_options
         # Results' types, both ways: workers encode and callers decode with the same ones.
         self.codecs = Codecs()
-        self.query_handlers: dict[str, QueryHandler] = {}
+        self.query_handlers: dict[str, Handler] = {}
         self.cancel_handlers: dict[str, CancelHandler] = {}
         self.stream_handler: StreamHandler | None = None
         # One client queue per process and event loop, made on first use. Weak keys: a
@@ -59,8 +61,13 @@ class QueueApp:
         self._sync_queues: dict[int, SyncQueryQueue] = {}  # by pid: a fork makes its own
         self.socket_path: Path | None = None  # None: $QUERYQUEUE_SOCKET, then the default
 
-    def handler(self, name: str) -> Callable[[F], F]:
-        def register(function: F) -> F:
+    def handler(self, name: str) -> Callable[[H], H]:
+        """Register the query handler `name`: `(query)` or `(query, set_cancel_handler)`,
+        sync or async; its return value is the query's result. Any other signature is a
+        TypeError here (and mypy's error where the decorator is applied)."""
+
+        def register(function: H) -> H:
+            as_query_handler(name, function)  # its shape checked now, not at its first query
             self.query_handlers[name] = function
             return function
 

@@ -1,0 +1,108 @@
+"""A handler takes `(query)` or `(query, set_cancel_handler)`, sync or async: any other
+shape is refused where it is registered, by the app and by mypy, not at its first query."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from queryqueue import MemoryQueueStore, QueryQueue, QueueApp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_handler_of_another_shape_is_refused_where_it_is_registered() -> None:
+    app = QueueApp("shapes")
+    with pytest.raises(TypeError, match=r"handler 'bad': .*bad\(a: .* must take \(query\) or"):
+
+        @app.handler("bad")  # type: ignore[type-var]  # the shape mypy refuses too
+        def bad(a: Any, b: Any, c: Any) -> None: ...
+
+    with pytest.raises(TypeError, match="handler 'none'"):
+        app.handler("none")(lambda: None)  # type: ignore[type-var]
+    assert "bad" not in app.query_handlers and "none" not in app.query_handlers
+
+
+async def test_a_handler_may_leave_out_set_cancel_handler() -> None:
+    def sync_one(query: Any) -> Any:
+        return {"sync": query}
+
+    async def async_one(query: Any) -> Any:
+        return {"async": query}
+
+    def both(query: Any, set_cancel_handler: Any) -> Any:
+        set_cancel_handler({"kill": query})
+        return {"both": query}
+
+    queue = QueryQueue(
+        "shapes",
+        query_handlers={"sync": sync_one, "async": async_one, "both": both},
+        driver=MemoryQueueStore(),
+    )
+    try:
+        assert await queue.run("sync", "a", 1) == {"sync": 1}
+        assert await queue.run("async", "b", 2) == {"async": 2}
+        assert await queue.run("both", "c", 3) == {"both": 3}
+    finally:
+        await queue.close(grace=0)
+
+
+def test_mypy_rejects_a_handler_of_another_shape_and_takes_both_shapes(tmp_path: Path) -> None:
+    source = tmp_path / "handlers.py"
+    source.write_text(
+        textwrap.dedent(
+            """
+            from typing import Any
+
+            from queryqueue import QueueApp, SetCancelHandler
+
+            app = QueueApp("typed")
+
+
+            @app.handler("one")
+            def one(query: dict[str, Any]) -> int:
+                return 1
+
+
+            @app.handler("two")
+            async def two(query: Any, set_cancel_handler: SetCancelHandler) -> str:
+                return "two"
+
+
+            @app.handler("bad")
+            def bad(query: Any, scale: int, unit: str) -> int:
+                return 3
+            """
+        )
+    )
+    checked = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--no-incremental",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        # The checkout's queryqueue/ (its subpackages linked in), as the project's own mypy
+        # run sees it: an editable install is found through a hook mypy does not follow.
+        env={**os.environ, "MYPYPATH": str(ROOT)},
+    )
+    errors = [line for line in checked.stdout.splitlines() if ": error:" in line]
+    lines = source.read_text().splitlines()
+    bad = lines.index('@app.handler("bad")') + 1
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert [e.split(": error:")[0] for e in errors] == [f"handlers.py:{bad}"], checked.stdout
+    assert 'type variable "H"' in errors[0]
