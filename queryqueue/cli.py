@@ -98,11 +98,10 @@ def _supervisor(
     from queryqueue.supervisor.process import run
     from queryqueue.supervisor.server import Limits
 
-    http, workers = _checked(parser, args)
-    if args.app is not None:
-        workers = _pool_size(args.app, args.workers)
-        if workers == 0:
-            return 2
+    http, _ = _checked(parser, args)
+    sizes = [_pool_size(app, args.workers) for app in args.app or []]
+    if 0 in sizes:
+        return 2
     return run(
         args.store or args.db,
         socket_path,
@@ -125,8 +124,8 @@ def _supervisor(
             max_sql_result=args.sql_result_limit * MiB,
         ),
         shm_caps=(args.shm_max_total * MiB, args.shm_max_per_connection * MiB),
-        app=args.app,
-        workers=workers,
+        app=args.app or None,
+        workers=sizes,
         cancel_grace=args.cancel_grace,
         stop_grace=args.stop_grace,
         max_tasks_per_worker=args.max_tasks_per_worker,
@@ -151,9 +150,15 @@ def _checked(
         )
     except ValueError as exc:  # a bad $QUERYQUEUE_LOG_LEVEL, --http address
         parser.error(str(exc))
+    if args.app is None and os.environ.get(cli_options.APP_ENV):
+        args.app = [os.environ[cli_options.APP_ENV]]
     workers = args.workers if args.workers is not None else (1 if args.app else 0)
     if (args.app is None) != (workers == 0):
         parser.error("--app and --workers go together")
+    if args.app is not None and len(args.app) > 1 and args.workers is not None:
+        parser.error(
+            "--workers sizes one pool: with several --app, each pool runs its queue's concurrency"
+        )
     args.store = _store_url(parser, args)
     if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
         parser.error("--store takes a postgresql:// URL")

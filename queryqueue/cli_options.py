@@ -216,9 +216,9 @@ def _pool_options(sup: argparse.ArgumentParser) -> None:
     """The worker pool: whose handlers it runs, its processes, their limits."""
     sup.add_argument(
         "--app",
-        default=os.environ.get(APP_ENV) or None,
+        action="append",
         help=f"pkg.module:app, the QueueApp whose handlers workers run (from the current "
-        f"directory first); ${APP_ENV}",
+        f"directory first); again for another queue, each with a pool of its own; ${APP_ENV}",
     )
     sup.add_argument(
         "--workers",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from queryqueue.driver_socket.protocol import encode_body, error_payload
 from queryqueue.driver_socket.segments import parse_reference
 from queryqueue.engine.errors import QueueError
+from queryqueue.engine.lanes import route_of
 from queryqueue.engine.waiters import AckEvent, Waiter
 from queryqueue.supervisor import cube_results
 from queryqueue.supervisor.connection import Connection
@@ -109,10 +110,20 @@ class Answers:
         metrics.answered(request.method, request.args, answer, took)
         if request.method == "ack" and len(request.args) == 2 and answer.success:
             # The pool's job for it (ended by this ACK): what ran, and how long it waited.
-            job = self.server.pool.job(request.args[0]) if self.server.pool is not None else None
+            job = self.server.job(request.args[0])
             key = request.args[0]
             path = job.path if job is not None else key if isinstance(key, str) else ":"
             metrics.acked(path, request.args[1], job)
+
+    def poke(self, request: Request, *, freed: bool) -> None:
+        """The pool whose queue the command changed reconciles soon (every pool, for a
+        command by queue id about no item a pool holds)."""
+        hand_off = self.server.hand_off
+        pool = hand_off.pool_for(route_of(tuple(request.args))) or (
+            hand_off.holding(request.args[0]) if request.args else None
+        )
+        for each in [pool] if pool is not None else self.server.pools:
+            each.poke(freed=freed)
 
     def answer(
         self,
@@ -126,11 +137,17 @@ class Answers:
         """`woken_by`: the ACK event that answers a parked long poll; every poll it wakes gets the same
         answer, encoded once (a dedup storm's thousand waiters, a large result's copies)."""
         command = COMMANDS.get(request.method)
-        if ok and command is not None and (command.adds or command.frees_slot) and self.server.pool:
+        if (
+            ok
+            and command is not None
+            and (command.adds or command.frees_slot)
+            and self.server.pools
+        ):
             if poke:
-                self.server.pool.poke(freed=command.frees_slot)
+                self.poke(request, freed=command.frees_slot)
             if request.method == "cancel" and answer is not None and request.args:
-                self.server.pool.removed(request.args[0])  # its worker hears of it now
+                for pool in self.server.pools:
+                    pool.removed(request.args[0])  # its worker hears of it now
         if ok and request.method == "ack" and len(request.args) == 2:
             self.server.segments.acked(request.args[1], bool(answer.success))
         elif ok and answer is not None and request.method in ("result", "result_blocking"):

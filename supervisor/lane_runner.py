@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.lanes import route_of
-from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.waiters import Waiter
-from queryqueue.supervisor.core.handoff import Pool
+from queryqueue.supervisor.core.handoff import Pool, Retrieved
 from queryqueue.supervisor.core.requests import Request, acks_last, coming, ends_or_waits
 from queryqueue.supervisor.runner import Runner
 
@@ -82,7 +81,7 @@ class LaneRunner(Runner):
         by queue id about an item the pool holds (its workers' ACKs) goes with the pool's
         prefix: into the same transactions as the ADDs and RETRIEVEs it frees a slot for."""
         groups: dict[str | None, list[Request]] = {}
-        held = self.server.pool.job if self.server.pool is not None else None
+        held = self.server.job if self.server.pools else None
         for request in batch:
             # A long poll sent with its ADD runs with it (it reads the id the ADD answers).
             route = route_of(tuple((request.follows or request).args))
@@ -123,8 +122,8 @@ class LaneRunner(Runner):
     async def execute_off_loop(self, batch: list[Request], route: str | None) -> None:
         try:
             while batch:
-                pool = self.transaction.retrieving_pool()
-                lingers = route is not None and pool is not None and route == pool.prefix
+                pool = self.transaction.hand_off.pool_for(route)
+                lingers = pool is not None and pool in self.transaction.retrieving_pools()
                 if lingers:
                     assert route is not None and pool is not None
                     batch = await self.linger_for_acks(route, batch, pool)
@@ -154,7 +153,7 @@ class LaneRunner(Runner):
 
     def execute_deferring(
         self, batch: list[Request], route: str | None
-    ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None, list[Callable[[], object]]]:
+    ) -> tuple[list[tuple[bool, Any]], Retrieved | None, list[Callable[[], object]]]:
         """`BatchTransaction.execute` on a lane, its after-commit effects (the waiters its ACKs wake)
         handed back to run on the loop with its answers: waking them from the lane cost
         the loop a wake-up of its own for each (`call_soon_threadsafe`)."""

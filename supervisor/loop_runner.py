@@ -46,13 +46,13 @@ class LoopRunner(Runner):
         """Whether this turn waits for the ACKs its workers are about to send (linger.py),
         to run with them in one transaction; it runs when they have arrived (`arrived`) or
         are overdue. Never while a worker is idle: an ADD in the turn may have work for it."""
-        pool = self.transaction.retrieving_pool()
-        if pool is None or not pool.full:
+        pools = self.transaction.retrieving_pools()
+        if not pools or not all(pool.full for pool in pools):
             return False
         inbox = self.server.inbox
         now = time.monotonic()
         awaited, until = self.linger.awaited(
-            pool.running(), coming(inbox.carried, inbox.queued), now
+            self.server.running(), coming(inbox.carried, inbox.queued), now
         )
         if not awaited:
             return False
@@ -91,11 +91,10 @@ class LoopRunner(Runner):
         lingers for it (or for the ACK that follows a command its worker waits for,
         `ends_or_waits`), the wait is over for it. The last one awaited: the turn runs in
         this loop iteration, after its other reads (what else arrived joins it)."""
-        pool = self.server.pool
-        if pool is None or not ends_or_waits(request):
+        if not self.server.pools or not ends_or_waits(request):
             return
         if request.method == "ack":
-            job = pool.job(request.args[0])
+            job = self.server.job(request.args[0])
             if job is not None:
                 self.ack_arrived(job.sent_at)
         awaited = self.awaited_acks
@@ -122,11 +121,10 @@ class LoopRunner(Runner):
         take longer than that are never polled for, and neither are those of a saturated
         queue (`WorkerPool.saturated`): the loop hardly sleeps then, and its polls' yields
         gave away the CPU it was short of."""
-        pool = self.server.pool
-        if pool is None or not self.may_poll():
+        if not self.server.pools or not self.may_poll():
             return
         poll_s = self.server.settings.poll_s
-        until = self.linger.ack_due(pool.running(), time.monotonic(), poll_s)
+        until = self.linger.ack_due(self.server.running(), time.monotonic(), poll_s)
         if until is not None:
             self.polling.extend(until)
 
@@ -148,7 +146,7 @@ class LoopRunner(Runner):
         return (
             server.settings.poll_s > 0
             and not server.stopping
-            and not (server.pool is not None and server.pool.saturated)
+            and not any(pool.saturated for pool in server.pools)
         )
 
     def heard(self, connection: Connection) -> None:

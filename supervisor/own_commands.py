@@ -88,10 +88,9 @@ class OwnCommands:
                 raise InvalidCommandError(
                     "hello: process_id must be a string of 1 to 96 characters"
                 ) from None
-        # The prefixes whose queries this supervisor's pool runs: a client hands those
+        # The prefixes whose queries this supervisor's pools run: a client hands those
         # off instead of running them itself.
-        pool = self.server.pool
-        served = [pool.prefix] if pool is not None and pool.prefix else []
+        served = [pool.prefix for pool in self.server.pools if pool.prefix]
         # Nothing committed is in it: it need not wait for a sync (synced.py).
         hello = {"pid": os.getpid(), "pool": served}
         connection.send({"id": request_id, "ok": hello}, after_sync=False)
@@ -155,7 +154,7 @@ class OwnCommands:
         """A client's fast track retrieved an item: run it in the pool. Only the item's
         name is taken; what runs is the query as this store holds it, and only if it is
         active and not already handed off."""
-        if self.server.pool is None:
+        if not self.server.pools:
             raise InvalidCommandError(
                 "dispatch: this supervisor has no worker pool (start it with --app and --workers)"
             )
@@ -176,6 +175,8 @@ class OwnCommands:
         query = decode_def(await self.server.store.run_off_loop(self.server.store.get, queue_id))
         if query is None:
             raise InvalidCommandError(f"dispatch: {path} ({queue_id}) is not an active item")
+        if self.server.hand_off.pool_for(prefix) is None:
+            raise InvalidCommandError(f"dispatch: no pool of this supervisor runs {prefix!r}")
         item = RetrievedQuery(query_key_hash, queue_id, queue_id, 0, query)
         try:
             given = self.server.hand_off.give(prefix, item)

@@ -106,7 +106,7 @@ class WorkerPool:
         # Which worker holds which query, and what waits for one (core/slots.py); the one
         # way a query reaches it, whoever retrieved it (core/handoff.py).
         self.slots = Slots()
-        self.hand_off = HandOff(self)
+        self.hand_off = HandOff([self])
         self._heartbeats: asyncio.Task[None] | None = None
         self.beats = Beats(self)
         self._stopping = False
@@ -117,6 +117,7 @@ class WorkerPool:
         self.queue: QueryQueue | None = None
         # The queue it runs and its app's handlers, as last loaded (None: not started).
         self.served: dict[str, frozenset[str]] | None = None
+        self.budgets: dict[str, int] | None = None  # the queue it runs: its concurrency
         self._poked = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -137,6 +138,7 @@ class WorkerPool:
         )
         self.queue.held_here = self.alive
         self.served = {self.queue.prefix: frozenset(app.query_handlers)}
+        self.budgets = {self.queue.prefix: self.queue.concurrency}
         # Beat as often as the app's executors would, so no held item ever looks stalled.
         options = app.queue_options
         self.heartbeat_interval = min(
@@ -419,3 +421,22 @@ def _shown_key(query_key: Any) -> str:
         return orjson.dumps(query_key).decode()[:200]
     except TypeError:
         return repr(query_key)[:200]
+
+
+def pools_described(described: list[dict[str, Any]]) -> dict[str, Any]:
+    """`stats`' view of a supervisor's pools: one pool's as it is; several summed into
+    one ("pool": workers, budgets and counters of all), each also on its own ("pools")."""
+    if len(described) == 1:
+        return {"pool": described[0]}
+    merged: dict[str, Any] = {"workers": [], "budget": {}}
+    for one in described:
+        for key, value in one.items():
+            if key == "workers":
+                merged["workers"] += value
+            elif key == "budget":
+                merged["budget"].update(value)
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                merged[key] = merged.get(key, 0) + value
+            elif merged.get(key) is None:
+                merged[key] = value
+    return {"pool": merged, "pools": described}

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -59,8 +59,8 @@ async def serve(
     postgres_options: dict[str, float | None] | None = None,
     limits: Limits | None = None,
     shm_caps: tuple[int, int] | None = None,
-    app: str | None = None,
-    workers: int = 0,
+    app: str | Sequence[str] | None = None,
+    workers: int | Sequence[int] = 0,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
     settings: Settings | None = None,
@@ -123,26 +123,26 @@ async def _serve_store(
     token_file: Path,
     limits: Limits | None,
     shm_caps: tuple[int, int] | None,
-    app: str | None,
-    workers: int,
+    app: str | Sequence[str] | None,
+    workers: int | Sequence[int],
     ready: asyncio.Event | None,
     stop: asyncio.Event | None,
     settings: Settings,
     stop_grace: float,
     **pool_options: Any,
 ) -> None:
-    server, pool = _server_and_pool(
+    server, pools = _server_and_pools(
         store, socket_path, tcp_port=tcp_port, token=token, limits=limits, settings=settings,
         shm_caps=shm_caps, app=app, workers=workers, pool_options=pool_options,
     )  # fmt: skip
     stop = stop or asyncio.Event()
-    unhandle = _handle_signals(stop, pool)
+    unhandle = _handle_signals(stop, pools)
     started = False
     site = None
     try:
         await server.start()  # refuses an unsafe socket directory, a second supervisor
         started = True
-        if pool is not None:
+        for pool in pools:
             await pool.start()
         _log.info("listening on %s", server.socket_path)
         if server.tcp_address is not None:
@@ -156,18 +156,17 @@ async def _serve_store(
         unhandle()
         if site is not None:
             await site.stop()
-        if pool is not None:
-            await pool.stop(stop_grace)
+        await asyncio.gather(*(pool.stop(stop_grace) for pool in pools))
         if started:
             await server.stop()
-        if pool is not None:
+        for pool in pools:
             await pool.give_back()  # what it could not finish is pending again
         store.close()
     if server.failure is not None:
         raise StoreError(f"the queue store failed: {server.failure}")
 
 
-def _server_and_pool(
+def _server_and_pools(
     store: QueueStore,
     socket_path: Path,
     *,
@@ -176,29 +175,37 @@ def _server_and_pool(
     limits: Limits | None,
     settings: Settings,
     shm_caps: tuple[int, int] | None,
-    app: str | None,
-    workers: int,
+    app: str | Sequence[str] | None,
+    workers: int | Sequence[int],
     pool_options: dict[str, Any],
-) -> tuple[QueueServer, WorkerPool | None]:
-    pool = None
-    if app and workers > 0:
-        pool = WorkerPool(
-            app, socket_path, store, workers=workers, worker_poll_s=settings.worker_poll_s,
+) -> tuple[QueueServer, list[WorkerPool]]:
+    """The server, and a pool for each app (of its `workers`, one figure for all or one
+    each)."""
+    apps = [app] if isinstance(app, str) else list(app or [])
+    sizes = [workers] * len(apps) if isinstance(workers, int) else list(workers)
+    if len(sizes) != len(apps):
+        raise ValueError(f"{len(apps)} apps but {len(sizes)} pool sizes")
+    pools = [
+        WorkerPool(
+            ref, socket_path, store, workers=size, worker_poll_s=settings.worker_poll_s,
             **pool_options,
-        )  # fmt: skip
+        )
+        for ref, size in zip(apps, sizes, strict=True)
+        if size > 0
+    ]  # fmt: skip
     server = QueueServer(
         store,
         socket_path,
         tcp_host="127.0.0.1" if tcp_port is not None else None,
         tcp_port=tcp_port,
         tcp_token=token if tcp_port is not None else None,
-        pool=pool,
+        pools=pools,
         limits=limits,
         settings=settings,
     )
     if shm_caps is not None:
         server.segments.max_total_bytes, server.segments.max_connection_bytes = shm_caps
-    return server, pool
+    return server, pools
 
 
 async def _until_stopped(stop: asyncio.Event, server: QueueServer) -> None:
@@ -211,9 +218,9 @@ async def _until_stopped(stop: asyncio.Event, server: QueueServer) -> None:
             wait.cancel()
 
 
-def _handle_signals(stop: asyncio.Event, pool: WorkerPool | None) -> Callable[[], None]:
+def _handle_signals(stop: asyncio.Event, pools: list[WorkerPool]) -> Callable[[], None]:
     """SIGTERM and SIGINT stop the supervisor gracefully (the handler only sets `stop`);
-    SIGHUP reloads the pool's app (`WorkerPool.reload`), or is logged where there is no
+    SIGHUP reloads the pools' apps (`WorkerPool.reload`), or is logged where there is no
     pool. Returns what removes the handlers."""
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -221,12 +228,12 @@ def _handle_signals(stop: asyncio.Event, pool: WorkerPool | None) -> Callable[[]
     reloads: set[asyncio.Task[bool]] = set()
 
     def hang_up() -> None:
-        if pool is None:
+        if not pools:
             _log.warning("SIGHUP: no pool to reload; the supervisor goes on serving")
-            return
-        task = asyncio.ensure_future(pool.reload())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        for pool in pools:
+            task = asyncio.ensure_future(pool.reload())
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, hang_up)
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from queryqueue.driver_socket.segments import parse_reference
 from queryqueue.engine.errors import QueueError
-from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.waiters import Waiter
 from queryqueue.supervisor.connection import Connection
+from queryqueue.supervisor.core.handoff import Retrieved
 from queryqueue.supervisor.core.linger import Linger
 from queryqueue.supervisor.core.requests import Request
 
@@ -135,7 +135,7 @@ class Runner:
         self,
         batch: list[Request],
         answers: list[tuple[bool, Any]],
-        for_pool: list[RetrievedQuery] | None,
+        for_pool: Retrieved | None,
         effects: list[Callable[[], object]] | None = None,
     ) -> None:
         """A committed batch: the pool hears of it (its workers' next queries leave
@@ -163,16 +163,16 @@ class Runner:
         their item gone): the ACK ends a worker's query, and the worker is sent its next
         in this same turn, with no word from it. A worker's steps of the pool's query (its
         ACK, heartbeats, extra) are answered without waiting for a sync (synced.py)."""
-        pool = self.server.pool
-        if pool is None:
+        pools = self.server.pools
+        if not pools:
             return
         gated = self.server.gate is not None
         for request, (ok, _) in zip(batch, answers, strict=True):
             if not (ok and request.args):
                 continue
             if request.method == "ack":
-                request.pool_step = pool.acked(request.args[0])
+                request.pool_step = any(pool.acked(request.args[0]) for pool in pools)
                 if request.pool_step:
                     request.connection.worker = True
             elif gated and request.method in _POOL_STEPS:
-                request.pool_step = pool.job(request.args[0]) is not None
+                request.pool_step = self.server.hand_off.holding(request.args[0]) is not None

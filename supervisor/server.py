@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,13 @@ from queryqueue.supervisor.core.requests import (
     make_request,
     read_message,
 )
+from queryqueue.supervisor.core.slots import Job
 from queryqueue.supervisor.core.transaction import BatchTransaction
 from queryqueue.supervisor.lane_runner import LaneRunner
 from queryqueue.supervisor.loop_runner import LoopRunner
 from queryqueue.supervisor.own_commands import OwnCommands
 from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
-from queryqueue.supervisor.pool import WorkerPool
+from queryqueue.supervisor.pool import WorkerPool, pools_described
 from queryqueue.supervisor.runner import Runner
 from queryqueue.supervisor.settings import Settings
 from queryqueue.supervisor.shm import SegmentPool
@@ -65,6 +66,15 @@ _log = logging.getLogger("queryqueue.server")
 _HANG_UP_S = 10.0
 
 
+def _check_tcp(host: str | None, token: str | None) -> None:
+    if host is not None and host not in ("127.0.0.1", "::1", "localhost"):
+        raise ValueError(f"the TCP listener is for loopback only, not {host!r}")
+    if host is not None and not token:
+        # Any local user can reach a loopback port: without a secret, they could read
+        # every payload and result.
+        raise ValueError("the TCP listener needs an auth token (--auth-token-file)")
+
+
 class QueueServer:
     def __init__(
         self,
@@ -74,17 +84,13 @@ class QueueServer:
         tcp_host: str | None = None,
         tcp_port: int | None = None,
         pool: WorkerPool | None = None,
+        pools: Sequence[WorkerPool] = (),
         segments: SegmentPool | None = None,
         tcp_token: str | None = None,
         limits: Limits | None = None,
         settings: Settings | None = None,
     ) -> None:
-        if tcp_host is not None and tcp_host not in ("127.0.0.1", "::1", "localhost"):
-            raise ValueError(f"the TCP listener is for loopback only, not {tcp_host!r}")
-        if tcp_host is not None and not tcp_token:
-            # Any local user can reach a loopback port: without a secret, they could read
-            # every payload and result.
-            raise ValueError("the TCP listener needs an auth token (--auth-token-file)")
+        _check_tcp(tcp_host, tcp_token)
         self.tcp_token = tcp_token
         self.tcp_host, self.tcp_port = tcp_host, tcp_port
         self.limits = limits or Limits()
@@ -94,9 +100,11 @@ class QueueServer:
         self.stats = Stats()
         # Set by `--http` (metrics.py): fed from the answers; None costs nothing.
         self.metrics: Any | None = None
-        self.pool = pool
-        if pool is not None:
-            pool.noted = self.note
+        # One pool a queue it serves (`pool`: one alone; `pools`: several).
+        self.pools = [*([pool] if pool is not None else []), *pools]
+        self.pool = self.pools[0] if self.pools else None
+        for each in self.pools:
+            each.noted = self.note
         self.segments = segments or SegmentPool(
             name_prefix(socket_path), result_ttl=store.result_ttl_ms / 1000
         )
@@ -109,7 +117,7 @@ class QueueServer:
         self.deadlines: Deadlines[ParkedPoll] | None = None  # parked polls' (start)
         self.inbox = Inbox(self.settings.max_batch)
         self.shapes = Shapes(store)
-        self.hand_off = pool.hand_off if pool is not None else HandOff(None)
+        self.hand_off = HandOff(self.pools)
         self.transaction = BatchTransaction(store, self.hand_off, self._to_loop)
         self.answers = Answers(self)
         self.own_commands = OwnCommands(self)
@@ -156,7 +164,7 @@ class QueueServer:
 
     def _pool_runs(self) -> bool:
         """Whether the pool holds a query, whose ACK will commit soon (synced.py)."""
-        return self.pool is not None and self.pool.held > 0
+        return any(pool.held > 0 for pool in self.pools)
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
@@ -182,10 +190,10 @@ class QueueServer:
         while True:
             await asyncio.sleep(min(0.5, self.settings.purge_interval))
             self.segments.sweep()
-            if self.pool is not None:
-                # Batches retrieve for the pool themselves; its reconcile (stalled and
-                # orphaned items, anything a batch could not take) still runs this often.
-                self.pool.poke()
+            for pool in self.pools:
+                # Batches retrieve for the pools themselves; their reconciles (stalled and
+                # orphaned items, anything a batch could not take) still run this often.
+                pool.poke()
             if time.monotonic() - purged_at >= self.settings.purge_interval:
                 purged_at = time.monotonic()
                 # ACKs purge as they go; this keeps an idle queue from holding its dead.
@@ -263,6 +271,29 @@ class QueueServer:
         # Kept since start: on 3.11 each get_running_loop() is a getpid() system call.
         return self._loop or asyncio.get_running_loop()
 
+    def running(self) -> list[tuple[QueueId, float]]:
+        """The queries the pools' workers run now: queue id, when each was sent."""
+        if len(self.pools) == 1:
+            return self.pools[0].running()
+        return [running for pool in self.pools for running in pool.running()]
+
+    def job(self, key: Any) -> Job | None:
+        """A pool's job of an item (waiting, running, or whose ACK just ended it)."""
+        for pool in self.pools:
+            job = pool.job(key)
+            if job is not None:
+                return job
+        return None
+
+    def _of_pools(self, name: str) -> Any:
+        """The pools' `budgets` or `served` (prefix -> ...), None while none has started."""
+        if len(self.pools) == 1:
+            return getattr(self.pools[0], name)
+        parts = [getattr(pool, name) for pool in self.pools]
+        if not parts or any(part is None for part in parts):
+            return None
+        return {key: value for part in parts for key, value in part.items()}
+
     def _to_loop(self, callback: Any) -> None:
         """A callback from a lane's thread, run on the loop."""
         self.loop().call_soon_threadsafe(callback)
@@ -299,8 +330,8 @@ class QueueServer:
                 connection, request_id, read, received,
                 shapes=self.shapes,
                 process_id=connection.process_id,
-                budget_of=self.pool.queue if self.pool is not None else None,
-                served=self.pool.served if self.pool is not None else None,
+                budgets=self._of_pools("budgets"),
+                served=self._of_pools("served"),
             )  # fmt: skip
         except orjson.JSONDecodeError as exc:
             error = InvalidCommandError(f"frame is not JSON: {exc}")
@@ -366,7 +397,7 @@ class QueueServer:
         self.segments.drop_owner(connection)
 
     async def describe(self) -> dict[str, Any]:
-        pool = {"pool": self.pool.describe()} if self.pool is not None else {}
+        pool = pools_described([pool.describe() for pool in self.pools]) if self.pools else {}
         wal = self.store.wal_state()
         return {
             **pool,

@@ -5,7 +5,6 @@ waiter belongs to a running loop: that test runs on one, and waits for nothing).
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from queryqueue import (
     InvalidCommandError,
     MemoryQueueStore,
+    QueryQueue,
     UnknownHandlerError,
     UnknownQueueError,
 )
@@ -37,8 +37,8 @@ def _request(method: str, *args: Any, **kwargs: Any) -> Request:
     return Request("caller", None, method, list(args), kwargs, None, 0.0)
 
 
-def _transaction(store: Any, pool: Any = None) -> BatchTransaction:
-    return BatchTransaction(store, HandOff(pool), to_loop=lambda callback: callback())
+def _transaction(store: Any) -> BatchTransaction:
+    return BatchTransaction(store, HandOff([]), to_loop=lambda callback: callback())
 
 
 def test_a_batch_answers_each_command_in_order_in_one_transaction() -> None:
@@ -91,17 +91,17 @@ def test_a_long_poll_whose_add_failed_says_so() -> None:
 
 def test_a_request_is_checked_and_a_pools_queue_keeps_its_own_budget() -> None:
     shapes = Shapes(MemoryQueueStore())
-    pool_queue = SimpleNamespace(prefix="p", concurrency=2)
+    budgets = {"p": 2}
     message = read_message(
         {"cmd": "add_and_retrieve", "args": ["p:k", "{}", 8], "kwargs": {"dispatch": True}}
     )
     request = make_request(
-        "caller", 7, message, 0.0, shapes=shapes, process_id="proc", budget_of=pool_queue
+        "caller", 7, message, 0.0, shapes=shapes, process_id="proc", budgets=budgets
     )
     assert request.args[2] == 2 and request.dispatch  # the caller's 8 is not the budget
     other = read_message({"cmd": "add_and_retrieve", "args": ["q:k", "{}", 8]})
     unchanged = make_request(
-        "caller", 8, other, 0.0, shapes=shapes, process_id=None, budget_of=pool_queue
+        "caller", 8, other, 0.0, shapes=shapes, process_id=None, budgets=budgets
     )
     assert unchanged.args[2] == 8  # not the pool's queue: the caller's own
     wrong = Message("add", ["p:k"], {"bogus": 1}, None)
@@ -201,9 +201,10 @@ class _Pipe:
 def test_one_hand_off_reaches_a_worker_once_whichever_source_gives_it(workdir: Path) -> None:
     store = MemoryQueueStore()
     pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
+    pool.queue = QueryQueue("p", query_handlers={}, driver=store)  # as its start makes it
     pipe = _Pipe()
     pool.slots.workers.append(Worker(process=None, conn=pipe))
-    hand_off = HandOff(pool)
+    hand_off = HandOff([pool])
     item = RetrievedQuery("k", 1, 1, 0, {"queryHandler": "sql", "query": 1})
     assert hand_off.give("p", item)  # the batch's retrieval, as its COMMIT left
     assert hand_off.give("p", item)  # the same, once the batch was answered

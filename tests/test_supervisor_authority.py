@@ -254,3 +254,39 @@ async def _stats(socket_path: Path) -> dict[str, Any]:
         return await driver.stats()
     finally:
         await driver.close()
+
+
+async def test_two_queues_on_one_supervisor_each_run_within_their_own_budget(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One supervisor serves several queues (an --app each), each with its own budget and
+    workers; a thin client gets results from both, and a handler one queue lacks is
+    refused though the other has it."""
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    process = start_supervisor(
+        workdir / "queue.db", workdir / "s.sock",
+        "--app", "tests.apps.pool_app:one", "--app", "tests.apps.pool_app:three",
+    )  # fmt: skip
+    client = Client(process.socket_path)
+    try:
+        asked = [("one", f"one-{i}") for i in range(4)] + [
+            ("three", f"three-{i}") for i in range(9)
+        ]
+        results = await asyncio.gather(
+            *(client.run(queue, "sql", key, {"key": key, "seconds": 0.2}) for queue, key in asked)
+        )
+        assert sorted(r["key"] for r in results) == sorted(key for _, key in asked)
+        with pytest.raises(UnknownHandlerError, match="queue 'one' has no handler 'hoard'"):
+            await client.run("one", "hoard", "h", {"bytes": 1})
+        stats = await client.queue("one").driver.stats()
+    finally:
+        await client.aclose()
+        assert process.stop() == 0
+    trace = read_trace(workdir)
+    peaks = {
+        queue: max_overlap([t for t in trace if t[1].startswith(f"{queue}-")])
+        for queue in ("one", "three")
+    }
+    assert peaks == {"one": 1, "three": 3}
+    assert stats["pool"]["budget"] == {"one": 1, "three": 3} and stats["pool"]["size"] == 4
+    assert [p["budget"] for p in stats["pools"]] == [{"one": 1}, {"three": 3}]

@@ -64,10 +64,9 @@ REQUESTS = textwrap.dedent(
 )
 
 
-def _start_pool(workdir: Path, workers: int, *options: str) -> SupervisorProcess:
-    """A supervisor whose pool runs APP (a later `--app` in `options` runs that one)."""
+def _start_pool(workdir: Path, workers: int, *options: str, app: str = APP) -> SupervisorProcess:
     return start_supervisor(
-        workdir / "queue.db", workdir / "s.sock", "--app", APP, "--workers", str(workers), *options
+        workdir / "queue.db", workdir / "s.sock", "--app", app, "--workers", str(workers), *options
     )
 
 
@@ -294,7 +293,7 @@ async def test_workers_are_recycled_after_max_tasks(
     from tests.apps.pool_app import single as app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = _start_pool(workdir, 1, "--app", SINGLE, "--max-tasks-per-worker", "2")
+    supervisor = _start_pool(workdir, 1, "--max-tasks-per-worker", "2", app=SINGLE)
     driver = SocketQueueDriver(supervisor.socket_path)
     queue = app.pool_queue(driver)
     try:
@@ -460,7 +459,7 @@ async def test_workers_are_recycled_above_max_memory(
     from tests.apps.pool_app import single as app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    supervisor = _start_pool(workdir, 1, "--app", SINGLE, "--max-memory-per-worker", "150")
+    supervisor = _start_pool(workdir, 1, "--max-memory-per-worker", "150", app=SINGLE)
     driver = SocketQueueDriver(supervisor.socket_path)
     queue = app.pool_queue(driver)
     try:

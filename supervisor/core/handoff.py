@@ -1,4 +1,4 @@
-"""The one way a query reaches a worker: `HandOff.give`.
+"""The one way a query reaches a worker: `HandOff.give`, to the pool of its queue.
 
 Work for the pool comes from four places: the pool's retrieval that a batch runs in its
 transaction (`BatchTransaction`), the fast track (an ADD_AND_RETRIEVE that retrieved the
@@ -10,6 +10,7 @@ that is stopping (the item is then given back with what the pool held).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -35,24 +36,51 @@ class Pool(Protocol):
     @property
     def backlog(self) -> int: ...
     def holds(self, queue_id: QueueId) -> bool: ...
+    def job(self, key: Any) -> Any: ...
     def submit(self, prefix: str, retrieved: RetrievedQuery) -> None: ...
     def acking(self, queue_id: QueueId) -> None: ...
     def poke(self, freed: bool = True) -> None: ...
     def running(self) -> list[tuple[QueueId, float]]: ...
 
 
-class HandOff:
-    """Hands what batches retrieve to the pool, once each."""
+# What a batch's retrievals found: each item with the prefix of the pool it is for.
+Retrieved = list[tuple[str, RetrievedQuery]]
 
-    def __init__(self, pool: Pool | None) -> None:
-        self.pool = pool
+
+class HandOff:
+    """Hands what batches retrieve to the pools (one per queue a supervisor serves), once
+    each."""
+
+    def __init__(self, pools: Sequence[Pool]) -> None:
+        self.pools = list(pools)
+        self._by_prefix: dict[str, Pool] = {}
+
+    def pool_for(self, prefix: str | None) -> Pool | None:
+        """The pool that runs `prefix`'s queue (known once it has started)."""
+        if prefix is None:
+            return None
+        pool = self._by_prefix.get(prefix)
+        if pool is None:
+            for candidate in self.pools:
+                if candidate.prefix is not None:
+                    self._by_prefix[candidate.prefix] = candidate
+            pool = self._by_prefix.get(prefix)
+        return pool
+
+    def holding(self, queue_id: Any) -> Pool | None:
+        """The pool that holds the item (a job waiting or running), or whose ACK ended it."""
+        for pool in self.pools:
+            if pool.job(queue_id) is not None:
+                return pool
+        return None
 
     def give(self, prefix: str, item: RetrievedQuery) -> bool:
-        """Hand `item` to the pool unless it holds it already (sent as its batch's
-        COMMIT left). False: the pool is stopping, and gives the item back itself.
+        """Hand `item` to its pool unless it holds it already (sent as its batch's COMMIT
+        left). False: the pool is stopping (or gone), and gives the item back itself.
         RuntimeError: a stream item, which only its owner's process may run."""
-        pool = self.pool
-        assert pool is not None
+        pool = self.pool_for(prefix)
+        if pool is None:
+            return False
         if pool.holds(item.queue_id):
             return True
         try:
@@ -63,33 +91,26 @@ class HandOff:
             raise
         return True
 
-    def give_all(self, retrieved: list[RetrievedQuery] | None) -> None:
-        """What the pool's retrieval in a batch found."""
-        pool = self.pool
-        if not retrieved or pool is None:
-            return
-        for item in retrieved:
-            if not self.give(pool.prefix or "", item):
-                pool.poke()  # stopping since: the stalled path reclaims it
-                return
+    def give_all(self, retrieved: Retrieved | None) -> None:
+        """What the pools' retrievals in a batch found."""
+        for prefix, item in retrieved or ():
+            if not self.give(prefix, item):
+                pool = self.pool_for(prefix)
+                if pool is not None:
+                    pool.poke()  # stopping since: the stalled path reclaims it
 
     def adds_to_pool(self, request: Request) -> bool:
-        """An ADD (or ADD_AND_RETRIEVE) for the prefix of the pool's queue."""
+        """An ADD (or ADD_AND_RETRIEVE) for the prefix of a pool's queue."""
         command = COMMANDS.get(request.method)
         return (
             command is not None
             and command.adds
-            and self.pool is not None
-            and route_of(tuple(request.args)) == self.pool.prefix
+            and self.pool_for(route_of(tuple(request.args))) is not None
         )
 
     def may_fast_track(self, request: Request) -> bool:
-        """ADD_AND_RETRIEVE asked to `dispatch`, for a prefix this pool runs."""
-        return (
-            request.dispatch
-            and self.pool is not None
-            and request.args[0].rpartition(":")[0] == self.pool.prefix
-        )
+        """ADD_AND_RETRIEVE asked to `dispatch`, for a prefix a pool runs."""
+        return request.dispatch and self.pool_for(request.args[0].rpartition(":")[0]) is not None
 
     def fast_tracked(self, request: Request, answer: Any) -> bool:
         """... and it retrieved the item it added."""
@@ -99,9 +120,9 @@ class HandOff:
         self,
         batch: list[Request],
         answers: list[tuple[bool, Any]],
-        for_pool: list[RetrievedQuery] | None,
+        for_pool: Retrieved | None,
     ) -> None:
-        """What a batch gives the pool: its retrieval, then its fast-tracked items (their
+        """What a batch gives the pools: its retrievals, then its fast-tracked items (their
         answers marked dispatched)."""
         self.give_all(for_pool)
         self.dispatch_fast_tracked(batch, answers)
@@ -119,10 +140,10 @@ class HandOff:
     ) -> AddAndRetrieveResponse:
         """The fast track: what ADD_AND_RETRIEVE retrieved (committed) goes to the pool
         now, in this loop turn. The query is the store's own answer, not the client's."""
-        assert self.pool is not None
-        if self.pool.holds(answer.id):  # handed over as its COMMIT left
-            return fast_tracked_answer(answer)
         prefix, _, query_key_hash = path.rpartition(":")
+        pool = self.pool_for(prefix)
+        if pool is not None and pool.holds(answer.id):  # handed over as its COMMIT left
+            return fast_tracked_answer(answer)
         query = orjson.loads(answer.payload) if answer.payload is not None else None
         if not isinstance(query, dict):
             return answer

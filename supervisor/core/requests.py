@@ -224,16 +224,22 @@ def poll_args(request: Request) -> tuple[Any, int]:
     return key, int(timeout_ms)
 
 
-def apply_budget(queue: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> None:
-    """A queue this supervisor's pool runs (`queue`, the pool's) has the pool's concurrency,
-    whatever the client's code says: a caller's own QueueApp cannot raise its budget."""
+def apply_budget(
+    budgets: Mapping[str, int] | None, method: str, args: list[Any], kwargs: dict[str, Any]
+) -> None:
+    """A queue this supervisor's pools run (`budgets`: prefix -> concurrency) has its
+    pool's concurrency, whatever the client's code says: a caller's own QueueApp cannot
+    raise its budget."""
     key = args[0] if args else kwargs.get("key", kwargs.get("path"))
-    if queue is None or not isinstance(key, str) or key.rpartition(":")[0] != queue.prefix:
+    if not budgets or not isinstance(key, str):
+        return
+    budget = budgets.get(key.rpartition(":")[0])
+    if budget is None:
         return
     if method == "add_and_retrieve" and len(args) >= 3:
-        args[2] = queue.concurrency
+        args[2] = budget
     else:
-        kwargs["concurrency"] = queue.concurrency
+        kwargs["concurrency"] = budget
 
 
 def fast_tracked_answer(answer: AddAndRetrieveResponse) -> AddAndRetrieveResponse:
@@ -332,12 +338,13 @@ def make_request(
     *,
     shapes: Shapes,
     process_id: str | None,
-    budget_of: Any = None,
+    budgets: Mapping[str, int] | None = None,
     served: Mapping[str, Collection[str]] | None = None,
 ) -> Request:
     """A QUEUE command as a batch runs it: the server's options taken out of its keyword
     arguments (`dispatch`, `then_wait`), the connection's process id filled in, the pool's
-    budget set for the pool's own queue (`budget_of`, its queue), its arguments checked.
+    budgets set for the pools' own queues (`budgets`: prefix -> concurrency), its arguments
+    checked.
     `served`: the queues this supervisor's pools run (prefix -> handler names; None: it
     has no pool, and takes any queue, as Cube Store does)."""
     method, args, kwargs = message.method, message.args, message.kwargs
@@ -345,7 +352,7 @@ def make_request(
         check_served(method, args, kwargs, served)
     dispatch = method == "add_and_retrieve" and kwargs.pop("dispatch", False) is True
     if method in BUDGETED:
-        apply_budget(budget_of, method, args, kwargs)
+        apply_budget(budgets, method, args, kwargs)
     then_wait = then_wait_of(kwargs.pop("then_wait", None)) if COMMANDS[method].adds else None
     if COMMANDS[method].take_process_id and "process_id" not in kwargs:
         kwargs["process_id"] = process_id

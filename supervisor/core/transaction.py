@@ -26,7 +26,7 @@ from queryqueue.engine.retrieved import RetrievedQuery
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.validation import check_priority
 from queryqueue.engine.waiters import Waiter
-from queryqueue.supervisor.core.handoff import HandOff, Pool
+from queryqueue.supervisor.core.handoff import HandOff, Pool, Retrieved
 from queryqueue.supervisor.core.requests import (
     COMMANDS,
     Request,
@@ -43,28 +43,29 @@ REPORT_PENDING = frozenset({"add", "add_and_retrieve", "retrieve"})
 
 
 class BatchTransaction:
-    """Runs batches against `store` for `hand_off`'s pool."""
+    """Runs batches against `store` for `hand_off`'s pools."""
 
     def __init__(
         self, store: QueueStore, hand_off: HandOff, to_loop: Callable[[Callable[[], None]], Any]
     ) -> None:
         self.store = store
         self.hand_off = hand_off
-        self.pool: Pool | None = hand_off.pool
         # Chosen once: a blocking store runs batches on its lanes, off the loop.
         self.on_lane = store.blocking
         self.to_loop = to_loop
-        self.stopping = False  # set by the shell: nothing more is retrieved for the pool
+        self.stopping = False  # set by the shell: nothing more is retrieved for the pools
 
     def execute(
         self, batch: list[Request], route: str | None = None
-    ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
+    ) -> tuple[list[tuple[bool, Any]], Retrieved | None]:
         """The batch (on the loop, or on a blocking store's lane), and in the same
         transaction, when the batch freed a slot or added work, the pool's retrieval: what
         its reconcile would retrieve next, handed to its workers as soon as the batch
         commits (None: not tried)."""
         try:
-            return self.store.batched(lambda: self.attempt(batch), self.forget_polls, prefix=route)
+            return self.store.batched(
+                lambda: self.attempt(batch, route), self.forget_polls, prefix=route
+            )
         except StoreError as exc:
             return [(False, exc)] * len(batch), None
 
@@ -75,12 +76,12 @@ class BatchTransaction:
                 self.store.waiters.unsubscribe(answer)
 
     def attempt(
-        self, batch: list[Request]
-    ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
+        self, batch: list[Request], route: str | None = None
+    ) -> tuple[list[tuple[bool, Any]], Retrieved | None]:
         answers: list[tuple[bool, Any]] = []
         self.store.expect((r.method, r.args, r.kwargs) for r in batch if r.refused is None)
         if self.on_lane:  # a store on the loop reads for nothing ahead
-            self.expect_retrieval(batch)
+            self.expect_retrieval(batch, route)
         try:
             done = self.attempt_into(batch, answers)
         except BaseException:
@@ -95,7 +96,7 @@ class BatchTransaction:
         self,
         batch: list[Request],
         answers: list[tuple[bool, Any]],
-        for_pool: list[RetrievedQuery] | None,
+        for_pool: Retrieved | None,
     ) -> None:
         """What the batch gives the pool (the fast track's items, its retrieval) goes to
         the workers as its COMMIT leaves, not once it is done (`before_commit`): a query
@@ -109,7 +110,7 @@ class BatchTransaction:
         acks = acked_ids(batch, answers)
         if (
             for_pool
-            or (acks and self.pool is not None and self.pool.backlog)
+            or (acks and any(pool.backlog for pool in self.hand_off.pools))
             or any(
                 ok and self.hand_off.fast_tracked(request, answer)
                 for request, (ok, answer) in zip(batch, answers, strict=True)
@@ -128,26 +129,27 @@ class BatchTransaction:
         self,
         batch: list[Request],
         answers: list[tuple[bool, Any]],
-        for_pool: list[RetrievedQuery] | None,
+        for_pool: Retrieved | None,
         acks: list[QueueId],
     ) -> None:
         """`HandOff.hand_over` as the batch's COMMIT starts, where the workers whose ACKs it
         carries take their next at once (`WorkerPool.acking`, here on the loop): they start
         it while the COMMIT is made, not once their ACK is answered."""
-        if self.pool is not None:
+        for pool in self.hand_off.pools:
             for queue_id in acks:
-                self.pool.acking(queue_id)
+                pool.acking(queue_id)
         self.hand_off.hand_over(batch, answers, for_pool)
 
     def attempt_into(
         self, batch: list[Request], answers: list[tuple[bool, Any]]
-    ) -> tuple[list[tuple[bool, Any]], list[RetrievedQuery] | None]:
+    ) -> tuple[list[tuple[bool, Any]], Retrieved | None]:
         added: set[int] = set()  # the ADDs of this transaction that inserted their item
-        split = -1 if self.on_lane or self.retrieving_pool() is None else acking_end(batch)
-        early: list[RetrievedQuery] | None = None
+        pools = self.retrieving_pools()
+        split = -1 if self.on_lane or not pools else acking_end(batch)
+        early: Retrieved | None = None
         for i, request in enumerate(batch):
             if i == split:
-                early = self.hand_off_early(batch[:i], answers, batch[i:])
+                early = self.hand_off_early(pools, batch[:i], answers, batch[i:])
             if request.follows is not None and id(request.follows) in added:
                 answers.append(self.wait_for_new(request))
                 continue
@@ -159,20 +161,43 @@ class BatchTransaction:
                 if batch[i + 1].follows is request:  # its long poll: in this batch
                     answers.append(self.wait_for_new(batch[i + 1]))
                 break
-        if early and self.pool is not None and self.pool.full:
-            # The early hand-off filled the budget: only a slot the rest frees is left.
-            due = self.pool_retrieval_due(batch[split : len(answers)], answers[split:])
-        else:
-            due = self.pool_retrieval_due(batch[: len(answers)], answers)
-        if due is None:
-            return answers, early
-        # Nothing pending is found nothing: no listing, and no reconcile poked for it.
-        later = self.retrieve_for_pool() if due else []
-        return answers, early + (later or []) if early else later
+        later, tried = self.retrieve_at_the_end(pools, batch, answers, split, early)
+        return answers, (early or []) + later if tried else early
+
+    def retrieve_at_the_end(
+        self,
+        pools: list[Pool],
+        batch: list[Request],
+        answers: list[tuple[bool, Any]],
+        split: int,
+        early: Retrieved | None,
+    ) -> tuple[Retrieved, bool]:
+        """What each pool whose slot the batch freed (or whose work it added) retrieves
+        as it ends, and whether any retrieval ran (nothing pending is found nothing: no
+        listing, and no reconcile poked for it)."""
+        later: Retrieved = []
+        tried = False
+        for pool in pools:
+            if early and pool.full:
+                # The early hand-off filled the budget: only a slot the rest frees is left.
+                due = self.pool_retrieval_due(pool, batch[split : len(answers)], answers[split:])
+            else:
+                due = self.pool_retrieval_due(pool, batch[: len(answers)], answers)
+            if due is None:
+                continue
+            got = self.retrieve_for_pool(pool) if due else []
+            if got is not None:
+                tried = True
+                later += got
+        return later, tried
 
     def hand_off_early(
-        self, done: list[Request], answers: list[tuple[bool, Any]], rest: list[Request]
-    ) -> list[RetrievedQuery] | None:
+        self,
+        pools: list[Pool],
+        done: list[Request],
+        answers: list[tuple[bool, Any]],
+        rest: list[Request],
+    ) -> Retrieved | None:
         """The batch's workers' ACKs have run, the rest of it has not: the slots they
         freed are filled now, in this transaction, and the workers sent their next before
         the batch's other commands run (its callers' ADDs, their long polls), not as its
@@ -181,25 +206,31 @@ class BatchTransaction:
         priority of an ADD of the rest (`min_priority`). What it retrieved joins the
         batch's retrieval (None: nothing tried)."""
         acks = acked_ids(done, answers)
-        if not acks or not self.pool_retrieval_due(done, answers):
+        if not acks:
             return None
-        floor = self.priority_floor(rest)
-        if floor is False:
-            return None
-        assert self.pool is not None and self.pool.queue is not None
-        got = self.retrieve_for_pool(min_priority=floor)
+        got: Retrieved | None = None
+        for pool in pools:
+            if not self.pool_retrieval_due(pool, done, answers):
+                continue
+            floor = self.priority_floor(pool, rest)
+            if floor is False:
+                continue
+            found = self.retrieve_for_pool(pool, min_priority=floor)
+            if found is not None:
+                got = (got or []) + found
         if got and self.store.hands_off_early():
-            for queue_id in acks:
-                self.pool.acking(queue_id)
+            for pool in pools:
+                for queue_id in acks:
+                    pool.acking(queue_id)
             self.hand_off.give_all(got)
         return got
 
-    def priority_floor(self, requests: list[Request]) -> int | Literal[False] | None:
-        """The highest priority of the pool's prefix that `requests` may add (None: they
+    def priority_floor(self, pool: Pool, requests: list[Request]) -> int | Literal[False] | None:
+        """The highest priority of `pool`'s prefix that `requests` may add (None: they
         add none; False: one of them asks for one no item can have)."""
         floor: int | None = None
         for request in requests:
-            if self.hand_off.adds_to_pool(request):
+            if self.hand_off.adds_to_pool(request) and route_of(tuple(request.args)) == pool.prefix:
                 try:
                     priority = check_priority(request.kwargs.get("priority", 0))
                 except QueueError:
@@ -207,11 +238,13 @@ class BatchTransaction:
                 floor = priority if floor is None else max(floor, priority)
         return floor
 
-    def expect_retrieval(self, batch: list[Request]) -> None:
+    def expect_retrieval(self, batch: list[Request], route: str | None) -> None:
         """Tell the store of the pool's retrieval the batch will likely end with (a slot
-        it may free, work it may add), so it can read for it ahead (`expect_retrieval`)."""
-        pool = self.retrieving_pool()
-        if pool is None or pool.queue is None:
+        it may free, work it may add), so it can read for it ahead (`expect_retrieval`):
+        the pool of the batch's prefix (a lane's batch is one prefix's)."""
+        pools = self.retrieving_pools()
+        pool = pools[0] if len(pools) == 1 else self.hand_off.pool_for(route)
+        if pool is None or pool.queue is None or pool.stopping:
             return
         full = pool.full
         # Not for the fast track's ADD_AND_RETRIEVE: it retrieves what it adds while the
@@ -233,27 +266,23 @@ class BatchTransaction:
                 return
             self.store.expect_retrieval(queue.prefix, queue.process_uid, queue.concurrency)
 
-    def retrieving_pool(self) -> Pool | None:
-        """The pool a batch may retrieve for: one with a queue, neither stopping."""
-        pool = self.pool
-        if pool is None or pool.queue is None or self.stopping or pool.stopping:
-            return None
-        return pool
+    def retrieving_pools(self) -> list[Pool]:
+        """The pools a batch may retrieve for: with a queue, none stopping."""
+        if self.stopping:
+            return []
+        return [
+            pool for pool in self.hand_off.pools if pool.queue is not None and not pool.stopping
+        ]
 
     def gives_work(self, request: Request, ok: bool, answer: Any) -> bool:
-        """An ADD that inserted work for the pool while it has an idle slot ends its batch
+        """An ADD that inserted work for a pool while it has an idle slot ends its batch
         (on a store that runs batches on the loop): the worker starts once it commits,
         not after everything that arrived with it (a dedup storm's thousand joins)."""
-        pool = self.pool
-        return (
-            ok
-            and not self.on_lane
-            and pool is not None
-            and pool.queue is not None
-            and not pool.full
-            and self.hand_off.adds_to_pool(request)
-            and answer.added
-        )
+        command = COMMANDS.get(request.method)
+        if not ok or self.on_lane or command is None or not command.adds or not answer.added:
+            return False
+        pool = self.hand_off.pool_for(route_of(tuple(request.args)))
+        return pool is not None and pool.queue is not None and not pool.full
 
     def wait_for_new(self, request: Request) -> tuple[bool, Any]:
         """The long poll of an item its ADD inserted in this same transaction: nothing can
@@ -263,16 +292,13 @@ class BatchTransaction:
         return True, self.store.waiters.subscribe(request.args[0])
 
     def pool_retrieval_due(
-        self, batch: list[Request], answers: list[tuple[bool, Any]]
+        self, pool: Pool, batch: list[Request], answers: list[tuple[bool, Any]]
     ) -> bool | None:
-        """Whether the batch freed a slot or added work for the pool (None: neither), and
+        """Whether the batch freed a slot or added work for `pool` (None: neither), and
         if so whether anything may be pending for it to retrieve."""
-        pool = self.retrieving_pool()
-        if pool is None:
-            return None
         full, prefix = pool.full, pool.prefix
         may = False
-        # The pool prefix's pending count as the batch's last command that reports it
+        # The prefix's pending count as the batch's last command that reports it
         # answered: later ones can only lower it (only an ADD makes an item pending, and
         # an ADD reports it). None pending: nothing to retrieve, no listing to run (the
         # fast track's own batch, an idle queue's).
@@ -280,17 +306,23 @@ class BatchTransaction:
         for request, (ok, answer) in zip(batch, answers, strict=True):
             if not ok:
                 continue
-            may = may or moves_pool(COMMANDS.get(request.method), full)
-            if request.method in REPORT_PENDING and route_of(tuple(request.args)) == prefix:
+            command = COMMANDS.get(request.method)
+            if command is None or not (command.frees_slot or command.adds):
+                continue
+            route = route_of(tuple(request.args))
+            if route is not None and route != prefix:
+                continue  # another queue's
+            may = may or moves_pool(command, full)
+            if request.method in REPORT_PENDING and route == prefix:
                 pending = answer.pending if answer is not None else pending
         return (pending != 0) if may else None
 
-    def retrieve_for_pool(self, min_priority: int | None = None) -> list[RetrievedQuery] | None:
-        """The pool queue's reconcile, in the batch: the head of PENDING retrieved per free
+    def retrieve_for_pool(self, pool: Pool, min_priority: int | None = None) -> Retrieved | None:
+        """`pool`'s queue's reconcile, in the batch: the head of PENDING retrieved per free
         slot (`retrieve_next`), with its process id, its concurrency and the design's rule
         on persistent keys. None: it failed (the reconcile does the rest)."""
-        assert self.pool is not None and self.pool.queue is not None
-        queue = self.pool.queue
+        queue = pool.queue
+        assert queue is not None
         # startQueryTime in the retrieving write (Cube's processQuery records it right
         # after RETRIEVE): the worker need not send it.
         started = self.store.clock.now_ms()
@@ -306,13 +338,16 @@ class BatchTransaction:
             _log.warning("retrieving for the pool in the batch failed: %s", exc)
             return None
         return [
-            RetrievedQuery(
-                item.key,
-                item.id,
-                item.id,
-                item.pending,
-                decode_query(item.payload, item.extra),
-                started,
+            (
+                queue.prefix,
+                RetrievedQuery(
+                    item.key,
+                    item.id,
+                    item.id,
+                    item.pending,
+                    decode_query(item.payload, item.extra),
+                    started,
+                ),
             )
             for item in got
         ]

@@ -159,3 +159,10 @@ single = QueueApp(
 single.handler("sql")(run)
 single.cancel_handler("sql")(cancel)
 single.handler("hoard")(hoard)
+
+# Two queues for one supervisor, each with its own budget (and pool).
+one = QueueApp("one", concurrency=1, continue_wait_timeout=1.0, heartbeat_interval=0.25)
+one.handler("sql")(run)
+three = QueueApp("three", concurrency=3, continue_wait_timeout=1.0, heartbeat_interval=0.25)
+three.handler("sql")(run)
+three.handler("hoard")(hoard)
