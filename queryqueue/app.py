@@ -43,9 +43,12 @@ H = TypeVar("H", bound=Handler)
 
 
 class QueueApp:
-    def __init__(self, prefix: str, **queue_options: Any) -> None:
-        """`queue_options`: QueryQueue's; a name it does not take is a `TypeError` here,
-        not at the first query."""
+    def __init__(
+        self, prefix: str, *, socket_path: str | Path | None = None, **queue_options: Any
+    ) -> None:
+        """`socket_path`: the supervisor callers ask (None: $QUERYQUEUE_SOCKET, then the
+        default path). `queue_options`: QueryQueue's; a name it does not take is a
+        `TypeError` here, not at the first query."""
         _check_options(queue_options)
         self.prefix = prefix
         self.queue_options = queue_options
@@ -59,7 +62,7 @@ class QueueApp:
         self._queues: dict[int, weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, QueryQueue]]
         self._queues = {}
         self._sync_queues: dict[int, SyncQueryQueue] = {}  # by pid: a fork makes its own
-        self.socket_path: Path | None = None  # None: $QUERYQUEUE_SOCKET, then the default
+        self.socket_path = Path(socket_path) if socket_path is not None else None
 
     def handler(self, name: str) -> Callable[[H], H]:
         """Register the query handler `name`: `(query)` or `(query, set_cancel_handler)`,

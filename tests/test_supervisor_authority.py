@@ -49,9 +49,8 @@ def pool(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SupervisorP
 def _greedy_app(pool: SupervisorProcess) -> QueueApp:
     """A caller's app for the pool's queue whose code says concurrency 8 (a deploy that
     disagrees with the supervisor's)."""
-    app = QueueApp("pool", concurrency=8, continue_wait_timeout=1.0)
+    app = QueueApp("pool", concurrency=8, continue_wait_timeout=1.0, socket_path=pool.socket_path)
     app.handler("sql")(_runs_in_the_pool)
-    app.socket_path = pool.socket_path
     return app
 
 
