@@ -22,11 +22,12 @@ import sys
 import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Never, TypeVar
 
 from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.engine.codec import Codecs
 from queryqueue.engine.driver import QueueDriver
+from queryqueue.engine.events import EventLogger
 from queryqueue.engine.handlers import (
     CancelHandler,
     Handler,
@@ -44,14 +45,36 @@ H = TypeVar("H", bound=Handler)
 
 class QueueApp:
     def __init__(
-        self, prefix: str, *, socket_path: str | Path | None = None, **queue_options: Any
+        self,
+        prefix: str,
+        *,
+        socket_path: str | Path | None = None,
+        concurrency: int | None = None,
+        continue_wait_timeout: float | None = None,
+        execution_timeout: float | None = None,
+        orphaned_timeout: float | None = None,
+        heartbeat_interval: float | None = None,
+        fast_track: bool | None = None,
+        logger: EventLogger | None = None,
+        **unknown: Never,
     ) -> None:
-        """`socket_path`: the supervisor callers ask (None: $QUERYQUEUE_SOCKET, then the
-        default path). `queue_options`: QueryQueue's; a name it does not take is a
-        `TypeError` here, not at the first query."""
-        _check_options(queue_options)
+        """The queue `prefix`, as every process sees it. `socket_path`: the supervisor
+        callers ask (None: $QUERYQUEUE_SOCKET, then the default path). The others are
+        QueryQueue's (None: its default). A name it does not take is a `TypeError` here,
+        and mypy's error, not a surprise at the first query."""
+        _check_options(unknown)
+        given = {
+            "concurrency": concurrency,
+            "continue_wait_timeout": continue_wait_timeout,
+            "execution_timeout": execution_timeout,
+            "orphaned_timeout": orphaned_timeout,
+            "heartbeat_interval": heartbeat_interval,
+            "fast_track": fast_track,
+            "logger": logger,
+        }
         self.prefix = prefix
-        self.queue_options = queue_options
+        # What it sets, no more: the supervisor's pool reads its budget and timeouts here.
+        self.queue_options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         # Results' types, both ways: workers encode and callers decode with the same ones.
         self.codecs = Codecs()
         self.query_handlers: dict[str, Handler] = {}
@@ -273,7 +296,7 @@ def load_app(reference: str) -> QueueApp:
 
 
 def _check_options(options: dict[str, Any]) -> None:
-    known = set(inspect.signature(QueryQueue).parameters) - {"prefix"}
+    known = set(inspect.signature(QueueApp).parameters) - {"prefix", "unknown"}
     for name in options.keys() - known:
         close = difflib.get_close_matches(name, known, n=1)
         hint = (

@@ -323,7 +323,7 @@ def test_status_shows_the_workers_and_what_they_run(project: Project) -> None:
 
 def test_an_option_queryqueue_does_not_take_is_refused_at_construction() -> None:
     with pytest.raises(TypeError, match=r"'concurency': did you mean 'concurrency'\?"):
-        QueueApp("typo", concurency=4)
+        QueueApp("typo", concurency=4)  # type: ignore[arg-type]  # mypy refuses it too
     assert QueueApp("fine", concurrency=4, execution_timeout=30.0).queue_options == {
         "concurrency": 4,
         "execution_timeout": 30.0,

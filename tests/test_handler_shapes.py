@@ -53,7 +53,7 @@ async def test_a_handler_may_leave_out_set_cancel_handler() -> None:
         await queue.close(grace=0)
 
 
-def test_mypy_rejects_a_handler_of_another_shape_and_takes_both_shapes(tmp_path: Path) -> None:
+def test_mypy_rejects_a_mistyped_option_or_handler_and_takes_both_shapes(tmp_path: Path) -> None:
     source = tmp_path / "handlers.py"
     source.write_text(
         textwrap.dedent(
@@ -62,7 +62,8 @@ def test_mypy_rejects_a_handler_of_another_shape_and_takes_both_shapes(tmp_path:
 
             from queryqueue import QueueApp, SetCancelHandler
 
-            app = QueueApp("typed")
+            app = QueueApp("typed", concurrency=4, execution_timeout=30.0)
+            typo = QueueApp("typo", concurency=4)
 
 
             @app.handler("one")
@@ -102,7 +103,11 @@ def test_mypy_rejects_a_handler_of_another_shape_and_takes_both_shapes(tmp_path:
     )
     errors = [line for line in checked.stdout.splitlines() if ": error:" in line]
     lines = source.read_text().splitlines()
+    typo = lines.index('typo = QueueApp("typo", concurency=4)') + 1
     bad = lines.index('@app.handler("bad")') + 1
     assert checked.returncode == 1, checked.stdout + checked.stderr
-    assert [e.split(": error:")[0] for e in errors] == [f"handlers.py:{bad}"], checked.stdout
-    assert 'type variable "H"' in errors[0]
+    assert [e.split(": error:")[0] for e in errors] == [
+        f"handlers.py:{typo}",
+        f"handlers.py:{bad}",
+    ], checked.stdout
+    assert '"concurency"' in errors[0] and 'type variable "H"' in errors[1]
