@@ -288,10 +288,17 @@ def load_app(reference: str) -> QueueApp:
         ) from exc
     app = getattr(module, attribute, None)
     if not isinstance(app, QueueApp):
-        found = "nothing" if app is None else f"a {type(app).__name__}"
-        raise AppNotFoundError(
-            f"--app {reference}: {module_name}.{attribute} is {found}, not a QueueApp"
+        apps = sorted(name for name, value in vars(module).items() if isinstance(value, QueueApp))
+        found = f"a {type(app).__name__}" if app is not None else f"not in {module_name}"
+        close = difflib.get_close_matches(attribute, apps, n=1)
+        hint = (
+            f": did you mean {module_name}:{close[0]}?"
+            if close
+            else f" (its QueueApps: {', '.join(apps)})"
+            if apps
+            else f" ({module_name} defines no QueueApp)"
         )
+        raise AppNotFoundError(f"--app {reference}: {attribute!r} is {found}, not a QueueApp{hint}")
     return app
 
 

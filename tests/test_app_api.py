@@ -328,3 +328,18 @@ def test_an_option_queryqueue_does_not_take_is_refused_at_construction() -> None
         "concurrency": 4,
         "execution_timeout": 30.0,
     }
+
+
+def test_an_app_reference_that_names_no_queueapp_says_what_the_module_has() -> None:
+    from queryqueue.app import AppNotFoundError, load_app
+
+    with pytest.raises(AppNotFoundError, match=r"'aap' is not in tests\.apps\.pool_app, .*"
+                       r"did you mean tests\.apps\.pool_app:app\?"):  # fmt: skip
+        load_app("tests.apps.pool_app:aap")
+    with pytest.raises(AppNotFoundError, match=r"'run' is a function, not a QueueApp \(its "
+                       r"QueueApps: app, one, short, single, three\)"):  # fmt: skip
+        load_app("tests.apps.pool_app:run")
+    with pytest.raises(AppNotFoundError, match=r"tests\.waiting defines no QueueApp"):
+        load_app("tests.waiting:app")
+    with pytest.raises(AppNotFoundError, match=r"looks like pkg\.module:app"):
+        load_app("tests.apps.pool_app")
