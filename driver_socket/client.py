@@ -63,6 +63,9 @@ _SUPERVISOR_SAFE = {"stats", "ping", "shm_release", "shm_view", "watch"}
 
 
 class SocketQueueDriver:
+    """The QUEUE commands through a supervisor's socket (or its TCP port, with the token):
+    reconnects by itself, long polls on their own connection, large results in place."""
+
     def __init__(
         self,
         socket_path: str | Path | None = None,

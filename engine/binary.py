@@ -82,6 +82,7 @@ class ResultView:
         self._release = release
 
     async def release(self) -> None:
+        """Let go of the value and its shared memory (the view ends here)."""
         # Ours goes first: with no reference to it left, its memory may be reused.
         release, self._release, self.value = self._release, None, None
         if release is not None:

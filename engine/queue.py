@@ -57,6 +57,9 @@ DEFAULT_CONCURRENCY = 2  # queries of a queue running at once, everywhere
 
 
 class QueryQueue:
+    """Cube's QueryQueue: identical queries in flight run once, at most `concurrency` at
+    once, in priority order, with callers long-polling for the result (`run`)."""
+
     # Set by a supervisor's pool: the ids it holds for live workers, which are never stalled.
     held_here: Callable[[QueueId], bool] | None = None
 
@@ -135,6 +138,7 @@ class QueryQueue:
     # -- request side --------------------------------------------------------------------
 
     def hash_query_key(self, query_key: Any, *, persistent: bool = False) -> str:
+        """The key's hash as this queue stores it (Cube's, with `@processUid` if persistent)."""
         return hash_query_key(query_key, persistent=persistent, process_uid=self.process_uid)
 
     async def execute_in_queue(
@@ -298,6 +302,7 @@ class QueryQueue:
         return self.executor.handler_threads
 
     def wait_for_handler_threads(self, timeout: float | None = None) -> bool:
+        """Block until no sync handler of this queue runs on a thread; False on timeout."""
         return self.executor.wait_for_handler_threads(timeout)
 
     async def _execute_in_background(self, retrieved: RetrievedQuery) -> None:
@@ -339,6 +344,7 @@ class QueryQueue:
         return query_def is not None
 
     async def cancel_query_by_request_id(self, request_id: str) -> list[QueryDef]:
+        """Cancel every query asked with `request_id`; their definitions."""
         cancelled = []
         for entry in await self.get_queries():
             if entry.get("requestId") == request_id:
@@ -352,6 +358,7 @@ class QueryQueue:
         return await introspection.get_queries(self)
 
     async def fetch_query_stage_state(self) -> tuple[list[str], list[str], dict[str, QueryDef]]:
+        """Cube's stage state: active hashes, pending hashes, definitions by hash."""
         return await self.connection.get_query_stage_state(False)
 
     async def get_query_stage(
@@ -368,6 +375,7 @@ class QueryQueue:
     # -- streams --------------------------------------------------------------------------------
 
     def get_query_stream(self, query_key_hash: str) -> QueryStream | None:
+        """The stream of a stream query running in this process, by its key's hash."""
         return self.streams.get(query_key_hash)
 
     async def _wait_for_stream(

@@ -27,6 +27,7 @@ class QueryStream:
         self.closed = False
 
     async def write(self, row: Any) -> None:
+        """A row for every reader of the stream (the handler writes them)."""
         if self.closed:
             raise RuntimeError("write to a closed query stream")
         if self._aliases and isinstance(row, Mapping):
@@ -34,6 +35,7 @@ class QueryStream:
         await self._rows.put(row)
 
     async def end(self, error: BaseException | None = None) -> None:
+        """No more rows; with `error`, its readers raise it after the rows written."""
         if self.closed:
             return
         self.closed = True
@@ -54,6 +56,7 @@ class QueryStream:
         return row
 
     async def rows(self) -> list[Any]:
+        """Every row, once the stream has ended."""
         return [row async for row in self]
 
 

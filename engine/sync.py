@@ -71,26 +71,33 @@ class SyncQueryQueue:
     def execute_in_queue(
         self, query_handler: str, query_key: Any, query: Any, priority: int = 0, **options: Any
     ) -> Any:
+        """`QueryQueue.execute_in_queue`, blocking."""
         return self._call(
             self.queue.execute_in_queue(query_handler, query_key, query, priority, **options)
         )
 
     def reconcile_queue(self) -> None:
+        """`QueryQueue.reconcile_queue`, blocking."""
         self._call(self.queue.reconcile_queue())
 
     def cancel_query(self, query_key_hash: str, queue_id: int | None = None) -> bool:
+        """`QueryQueue.cancel_query`, blocking."""
         return self._call(self.queue.cancel_query(query_key_hash, queue_id))
 
     def cancel_query_by_request_id(self, request_id: str) -> list[dict[str, Any]]:
+        """`QueryQueue.cancel_query_by_request_id`, blocking."""
         return self._call(self.queue.cancel_query_by_request_id(request_id))
 
     def get_queries(self) -> list[dict[str, Any]]:
+        """`QueryQueue.get_queries`, blocking."""
         return self._call(self.queue.get_queries())
 
     def get_query_stage(self, stage_query_key: Any, priority_filter: int | None = None) -> Any:
+        """`QueryQueue.get_query_stage`, blocking."""
         return self._call(self.queue.get_query_stage(stage_query_key, priority_filter))
 
     def close(self) -> None:
+        """Close the queue and stop its loop's thread."""
         if self._closed:
             return
         self._call(self.queue.close())

@@ -44,6 +44,9 @@ H = TypeVar("H", bound=Handler)
 
 
 class QueueApp:
+    """A queue's definition, imported by every process: its prefix, options and handlers
+    for the supervisor's pool; `run` and its kin for the processes that ask."""
+
     def __init__(
         self,
         prefix: str,
@@ -100,6 +103,9 @@ class QueueApp:
         return register
 
     def cancel_handler(self, name: str) -> Callable[[F], F]:
+        """Register the cancel handler of handler `name`: it gets the query's definition,
+        `cancelHandler` in it what the handler set, when the query is cancelled or times out."""
+
         def register(function: F) -> F:
             self.cancel_handlers[name] = function
             return function
@@ -107,6 +113,7 @@ class QueueApp:
         return register
 
     def stream(self, function: F) -> F:
+        """Register the stream handler: `(query, stream)`, writing rows to `stream`."""
         self.stream_handler = function
         return function
 
@@ -129,6 +136,8 @@ class QueueApp:
         send_process_message_fn: SendProcessMessage | None = None,
         **overrides: Any,
     ) -> QueryQueue:
+        """A `QueryQueue` of this app on `driver` (a store, a driver; None: in memory),
+        `overrides` over its options."""
         options = {**self.queue_options, **overrides}
         return QueryQueue(
             self.prefix,

@@ -26,6 +26,8 @@ from queryqueue.engine.sync import SyncQueryQueue
 
 
 class Client:
+    """A supervisor's queues by name, for a process that asks and never runs queries."""
+
     def __init__(
         self, socket_path: str | Path | None = None, *, codecs: Codecs | None = None
     ) -> None:

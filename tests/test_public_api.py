@@ -115,3 +115,32 @@ def test_an_install_adds_exactly_one_top_level_package(tmp_path: Path) -> None:
         assert expected in names, expected
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "queryqueue = queryqueue.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_the_classes_a_user_calls_say_what_each_public_method_does() -> None:
+    import inspect
+
+    from queryqueue import (
+        Client,
+        Codecs,
+        QueryQueue,
+        QueryStream,
+        QueueApp,
+        ResultView,
+        SocketQueueDriver,
+        SyncQueryQueue,
+    )
+
+    undocumented = [
+        cls.__name__ for cls in (SocketQueueDriver,) if not (inspect.getdoc(cls) or "").strip()
+    ]
+    for cls in (QueueApp, Client, QueryQueue, SyncQueryQueue, QueryStream, ResultView, Codecs):
+        members = [("", cls)] + [
+            (name, getattr(cls, name)) for name in vars(cls) if not name.startswith("_")
+        ]
+        undocumented += [
+            f"{cls.__name__}.{name}"
+            for name, member in members
+            if callable(member) and not (inspect.getdoc(member) or "").strip()
+        ]
+    assert undocumented == []
