@@ -88,10 +88,8 @@ class LaneRunner(Runner):
             if route is None and held is not None and request.args:
                 job = held(request.args[0]) if isinstance(request.args[0], int) else None
                 route = job.path.rpartition(":")[0] if job is not None else None
-                if job is not None and request.method == "ack":
-                    self.linger.acked(
-                        job.sent_at, time.monotonic()
-                    ) if job.sent_at is not None else None
+                if job is not None and request.method == "ack" and job.sent_at is not None:
+                    self.linger.acked(job.sent_at, time.monotonic())
             groups.setdefault(route, []).append(request)
         return groups
 

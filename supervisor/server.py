@@ -123,6 +123,7 @@ class QueueServer:
         self.own_commands = OwnCommands(self)
         self.runner: Runner = LaneRunner(self) if store.blocking else LoopRunner(self)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._merged: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}  # `_of_pools`
         self._servers: list[asyncio.Server] = []
         self._handlers: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
@@ -286,13 +287,19 @@ class QueueServer:
         return None
 
     def _of_pools(self, name: str) -> Any:
-        """The pools' `budgets` or `served` (prefix -> ...), None while none has started."""
+        """The pools' `budgets` or `served` (prefix -> ...); None until every pool has
+        started (and with no pool). Merged once per change, not per request."""
         if len(self.pools) == 1:
             return getattr(self.pools[0], name)
         parts = [getattr(pool, name) for pool in self.pools]
         if not parts or any(part is None for part in parts):
             return None
-        return {key: value for part in parts for key, value in part.items()}
+        cached = self._merged.get(name)
+        # Held, so compared by identity: a pool's mapping is replaced, never changed.
+        if cached is None or any(a is not b for a, b in zip(cached[0], parts, strict=True)):
+            merged = {k: v for part in parts for k, v in part.items()}
+            cached = self._merged[name] = (tuple(parts), merged)
+        return cached[1]
 
     def _to_loop(self, callback: Any) -> None:
         """A callback from a lane's thread, run on the loop."""
