@@ -225,7 +225,11 @@ class Executor:
             # A sync handler runs in a thread so this loop keeps heartbeating.
             execution.handler_task = self._threads.run(
                 functools.partial(
-                    self._in_threads.call, handler, query.get("query"), set_cancel_handler
+                    self._in_threads.call,
+                    handler,
+                    query.get("query"),
+                    set_cancel_handler,
+                    key=execution.retrieved.queue_id,
                 ),
                 within=self.sync_handler_wait,
             )
@@ -352,9 +356,17 @@ class Executor:
     def close(self) -> None:
         self._threads.close()
 
-    def wait_for_handler_threads(self, timeout: float | None = None) -> bool:
-        """Block until no sync handler runs in a thread; False on timeout."""
-        return self._in_threads.wait_for_none(timeout)
+    def wait_for_handler_threads(
+        self, timeout: float | None = None, queue_id: QueueId | None = None
+    ) -> bool:
+        """Block until no sync handler runs in a thread (that of `queue_id`, if given);
+        False on timeout."""
+        return self._in_threads.wait_for_none(timeout, key=queue_id)
+
+    def handler_thread_runs(self, queue_id: QueueId) -> bool:
+        """Whether the sync handler of `queue_id` still runs in a thread: stopped (cancelled,
+        timed out), it runs on until it returns."""
+        return self._in_threads.runs(queue_id)
 
     @property
     def handler_threads(self) -> int:

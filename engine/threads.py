@@ -151,26 +151,41 @@ def settle(future: asyncio.Future[Any], value: Any, error: BaseException | None)
 
 
 class ThreadedCalls:
-    """How many calls run on handler threads now, and a wait until none does: a call
-    cancelled or timed out still runs (Python cannot stop a thread), and a process that
-    ends waits for such calls first."""
+    """How many calls run on handler threads now, and a wait until none does (or none
+    under a `key`): a call cancelled or timed out still runs (Python cannot stop a
+    thread), and a process that ends waits for such calls first."""
 
     def __init__(self) -> None:
         self._done = threading.Condition(threading.Lock())
         self.running = 0
+        self._keys: dict[Any, int] = {}
 
-    def call(self, function: Callable[..., Any], *args: Any) -> Any:
+    def call(self, function: Callable[..., Any], *args: Any, key: Any = None) -> Any:
         with self._done:
             self.running += 1
+            if key is not None:
+                self._keys[key] = self._keys.get(key, 0) + 1
         try:
             return function(*args)
         finally:
             with self._done:
                 self.running -= 1
+                if key is not None:
+                    self._keys[key] -= 1
+                    if not self._keys[key]:
+                        del self._keys[key]
+                        self._done.notify_all()
                 if not self.running:
                     self._done.notify_all()
 
-    def wait_for_none(self, timeout: float | None = None) -> bool:
-        """Block until no call runs; False on timeout."""
+    def runs(self, key: Any) -> bool:
+        """Whether a call under `key` still runs."""
         with self._done:
-            return self._done.wait_for(lambda: not self.running, timeout)
+            return key in self._keys
+
+    def wait_for_none(self, timeout: float | None = None, key: Any = None) -> bool:
+        """Block until no call runs (under `key`, if given); False on timeout."""
+        with self._done:
+            if key is None:
+                return self._done.wait_for(lambda: not self.running, timeout)
+            return self._done.wait_for(lambda: key not in self._keys, timeout)

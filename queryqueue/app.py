@@ -22,6 +22,7 @@ import sys
 import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Never, TypeVar
 
 from queryqueue.driver_socket.client import SocketQueueDriver
@@ -38,9 +39,11 @@ from queryqueue.engine.handlers import (
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.sync import SyncQueryQueue
+from queryqueue.hooks import Hook, WorkerHooks, checked
 
 F = TypeVar("F", bound=Callable[..., Any])
 H = TypeVar("H", bound=Handler)
+K = TypeVar("K", bound=Hook)
 
 
 class QueueApp:
@@ -52,6 +55,7 @@ class QueueApp:
         prefix: str,
         *,
         socket_path: str | Path | None = None,
+        worker_concurrency: int = 1,
         concurrency: int | None = None,
         continue_wait_timeout: float | None = None,
         execution_timeout: float | None = None,
@@ -62,10 +66,18 @@ class QueueApp:
         **unknown: Never,
     ) -> None:
         """The queue `prefix`, as every process sees it. `socket_path`: the supervisor
-        callers ask (None: $QUERYQUEUE_SOCKET, then the default path). The others are
+        callers ask (None: $QUERYQUEUE_SOCKET, then the default path).
+        `worker_concurrency`: queries each worker process runs at once (async handlers as
+        tasks on its loop, sync ones on its threads); 1, the default, suits CPU-bound
+        handlers, more suits handlers that wait on a data source. The others are
         QueryQueue's (None: its default). A name it does not take is a `TypeError` here,
         and mypy's error, not a surprise at the first query."""
         _check_options(unknown)
+        if isinstance(worker_concurrency, bool) or not isinstance(worker_concurrency, int):
+            raise TypeError(f"worker_concurrency is a number, not {worker_concurrency!r}")
+        if worker_concurrency < 1:
+            raise ValueError(f"worker_concurrency must be 1 or more, not {worker_concurrency}")
+        self.worker_concurrency = worker_concurrency
         given = {
             "concurrency": concurrency,
             "continue_wait_timeout": continue_wait_timeout,
@@ -89,6 +101,9 @@ class QueueApp:
         self._queues = {}
         self._sync_queues: dict[int, SyncQueryQueue] = {}  # by pid: a fork makes its own
         self.socket_path = Path(socket_path) if socket_path is not None else None
+        self.hooks = WorkerHooks()
+        # What a worker's start hooks open for its queries to share (`on_worker_start`).
+        self.state = SimpleNamespace()
 
     def handler(self, name: str) -> Callable[[H], H]:
         """Register the query handler `name`: `(query)` or `(query, set_cancel_handler)`,
@@ -101,6 +116,18 @@ class QueueApp:
             return function
 
         return register
+
+    def on_worker_start(self, hook: K) -> K:
+        """Register `hook()` (sync or async) to run in each worker process before it takes
+        a query: open what its queries share there (a connection pool into `app.state`)."""
+        self.hooks.on_start.append(checked(hook))
+        return hook
+
+    def on_worker_stop(self, hook: K) -> K:
+        """Register `hook()` (sync or async) to run in each worker process once its last
+        query has ended: close what a start hook opened."""
+        self.hooks.on_stop.append(checked(hook))
+        return hook
 
     def cancel_handler(self, name: str) -> Callable[[F], F]:
         """Register the cancel handler of handler `name`: it gets the query's definition,

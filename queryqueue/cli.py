@@ -99,7 +99,7 @@ def _supervisor(
     from queryqueue.supervisor.server import Limits
 
     http, _ = _checked(parser, args)
-    sizes = [_pool_size(app, args.workers) for app in args.app or []]
+    sizes = [_pool_size(app, args.workers, args.worker_concurrency) for app in args.app or []]
     if 0 in sizes:
         return 2
     return run(
@@ -126,6 +126,7 @@ def _supervisor(
         shm_caps=(args.shm_max_total * MiB, args.shm_max_per_connection * MiB),
         app=args.app or None,
         workers=sizes,
+        worker_concurrency=args.worker_concurrency,
         cancel_grace=args.cancel_grace,
         stop_grace=args.stop_grace,
         max_tasks_per_worker=args.max_tasks_per_worker,
@@ -197,8 +198,8 @@ def _store_url(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
     return url
 
 
-def _pool_size(app_ref: str, workers: int | None) -> int:
-    """The pool's workers: as many as its queue's budget unless told (0: refused, said
+def _pool_size(app_ref: str, workers: int | None, worker_concurrency: int | None) -> int:
+    """The pool's workers: enough for its queue's budget unless told (0: refused, said
     why). The app is loaded here, so that a typo is one line and not a worker's
     traceback; a budget the workers cannot run is refused, with the arithmetic."""
     from queryqueue.app import AppNotFoundError, load_app
@@ -208,19 +209,42 @@ def _pool_size(app_ref: str, workers: int | None) -> int:
     except AppNotFoundError as exc:
         print(f"queryqueue: {exc}", file=sys.stderr)
         return 0
+    if worker_concurrency is not None and worker_concurrency < 1:
+        print(
+            f"queryqueue: --worker-concurrency must be 1 or more, not {worker_concurrency}",
+            file=sys.stderr,
+        )
+        return 0
+    each = worker_concurrency or app.worker_concurrency
     budget = int(app.queue_options.get("concurrency", DEFAULT_CONCURRENCY))
+    needed = -(-budget // each)
     if workers is None:
-        return budget
-    if workers < budget:
+        return needed
+    if workers * each < budget:
         print(
             f"queryqueue: queue {app.prefix!r} may run {budget} queries at once"
-            f" (concurrency={budget}), but --workers {workers} runs {workers} x 1 = {workers}:"
-            f" start it with --workers {budget} (or leave --workers out), or lower the app's"
-            " concurrency",
+            f" (concurrency={budget}), but --workers {workers} runs {workers} x {each} ="
+            f" {workers * each}: start it with --workers {needed} (or leave --workers out),"
+            " raise --worker-concurrency, or lower the app's concurrency",
             file=sys.stderr,
         )
         return 0
     return workers
+
+
+def _worker_rows(worker: dict[str, Any]) -> list[list[Any]]:
+    """A worker's rows in `status`: the first with the worker, one for each query it runs."""
+    queries = worker.get("queries") or [worker["running"] or {}]
+    rss = "-" if worker["rss"] is None else f"{worker['rss'] / 1e6:.0f} MB"
+    shown = [worker["pid"], worker["state"], rss, worker["executed"]]
+    rows = []
+    for query in queries:
+        running_s = query.get("running_s")
+        rows.append(
+            [*shown, query.get("path", "-"), _age(None if running_s is None else _ms(running_s))]
+        )
+        shown = ["", "", "", ""]
+    return rows
 
 
 async def _status(socket_path: Path, as_json: bool, watch: float | None, count: int | None) -> int:
@@ -258,17 +282,7 @@ def _print_status(stats: dict[str, Any]) -> None:
             f"pool: {pool['alive']} of {pool['size']} workers{short}{')' if short else ''}, "
             f"{pool['replaced']} replaced, {pool['terminated']} terminated"
         )
-        workers = [
-            [
-                w["pid"],
-                w["state"],
-                "-" if w["rss"] is None else f"{w['rss'] / 1e6:.0f} MB",
-                w["executed"],
-                (w["running"] or {}).get("path", "-"),
-                _age(None if not w["running"] else _ms(w["running"]["running_s"])),
-            ]
-            for w in pool["workers"]
-        ]
+        workers = [row for w in pool["workers"] for row in _worker_rows(w)]
         print(table(["worker", "state", "rss", "ran", "running", "for"], workers))
     budget = (pool or {}).get("budget", {})  # the queue its pool runs: the supervisor's
     prefixes = [*stats["prefixes"], *({"prefix": p} for p in budget if p not in _names(stats))]

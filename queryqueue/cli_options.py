@@ -17,6 +17,7 @@ from queryqueue.supervisor.settings import DEFAULT_STOP_GRACE
 DB_ENV = "QUERYQUEUE_DB"
 APP_ENV = "QUERYQUEUE_APP"
 WORKERS_ENV = "QUERYQUEUE_WORKERS"
+WORKER_CONCURRENCY_ENV = "QUERYQUEUE_WORKER_CONCURRENCY"
 STORE_ENV = "QUERYQUEUE_STORE"
 
 
@@ -224,7 +225,16 @@ def _pool_options(sup: argparse.ArgumentParser) -> None:
         "--workers",
         type=int,
         default=_int_env(WORKERS_ENV),
-        help=f"worker processes (with --app; by default its queue's concurrency); ${WORKERS_ENV}",
+        help=f"worker processes (with --app; by default enough for its queue's concurrency)"
+        f"; ${WORKERS_ENV}",
+    )
+    sup.add_argument(
+        "--worker-concurrency",
+        type=int,
+        default=_int_env(WORKER_CONCURRENCY_ENV),
+        metavar="N",
+        help="queries each worker runs at once: async handlers as tasks, sync ones on threads"
+        f" (default: the app's worker_concurrency, 1 unless set); ${WORKER_CONCURRENCY_ENV}",
     )
     sup.add_argument(
         "--loop",

@@ -67,6 +67,7 @@ class WorkerPool:
         store: QueueStore,
         *,
         workers: int = 2,
+        worker_concurrency: int | None = None,
         heartbeat_interval: float = 5.0,
         max_tasks_per_worker: int | None = None,
         cancel_grace: float = 10.0,
@@ -77,27 +78,23 @@ class WorkerPool:
         context: Any = None,
         worker_poll_s: float = Settings.worker_poll_s,
     ) -> None:
-        if workers < 1:
-            raise ValueError("a pool needs at least one worker")
-        if worker_poll_s < 0:
-            raise ValueError(f"worker_poll_s must be 0 (off) or more, not {worker_poll_s!r}")
-        self.worker_poll_s = worker_poll_s
+        _check_sizes(workers, worker_concurrency, worker_poll_s)
+        # Queries a worker process runs at once (None: the app's, once loaded).
+        self._worker_concurrency, self.worker_concurrency = worker_concurrency, 1
         loops.loop_factory(event_loop)  # refused here, not in each worker
         self.event_loop: LoopChoice = event_loop
+        self.worker_poll_s = worker_poll_s
         self.execution_timeout = 600.0  # the app's, once loaded
         self.app_ref = app_ref
         # What it takes back from its workers: dead ones', lost outcomes, at the stop.
         self.takeback = TakeBack(store, app_ref, max_worker_deaths)
         self.socket_path = str(socket_path)
-        self.store = store
-        self.size = workers
-        self.heartbeat_interval = heartbeat_interval
+        self.store, self.size, self.heartbeat_interval = store, workers, heartbeat_interval
         self.max_tasks_per_worker = max_tasks_per_worker
         self.cancel_grace = cancel_grace
         self.shm_threshold = shm_threshold
         self.max_memory_per_worker = max_memory_per_worker
-        # What `describe` counts: workers killed, queries handed over.
-        self.terminated = self.handed_off = 0
+        self.terminated = self.handed_off = 0  # what `describe` counts
         # The last query handed over was retrieved with others pending: the queue is
         # saturated, and nobody waits long for its next message (no poll for one).
         self.saturated = False
@@ -145,9 +142,11 @@ class WorkerPool:
             self.heartbeat_interval, float(options.get("heartbeat_interval", 30.0))
         )
         self.execution_timeout = float(options.get("execution_timeout", self.execution_timeout))
+        self.worker_concurrency = self._worker_concurrency or app.worker_concurrency
         _log.info(
-            "pool of %d workers for queue %r (budget %d, handlers %s)",
-            self.size, app.prefix, self.queue.concurrency, ", ".join(sorted(app.query_handlers)),
+            "pool of %d workers for queue %r (%d queries each at once, budget %d, handlers %s)",
+            self.size, app.prefix, self.worker_concurrency, self.queue.concurrency,
+            ", ".join(sorted(app.query_handlers)),
         )  # fmt: skip
         self.processes.fill()
         self._heartbeats = asyncio.ensure_future(self.beats.forever())
@@ -201,16 +200,18 @@ class WorkerPool:
         return self.queue is not None and self.held >= self.queue.concurrency
 
     def pids(self) -> list[int]:
-        return [w.process.pid for w in self.slots.workers]
+        return [w.process.pid for w in self.slots.processes()]
 
     def describe(self) -> dict[str, Any]:
         processes = self.processes
+        workers = self.slots.processes()
         return {
             "size": self.size,
-            "alive": len(self.slots.workers),
+            "worker_concurrency": self.worker_concurrency,
+            "alive": len(workers),
             "spawn_failures": processes.spawn_failures,
             "spawn_error": processes.spawn_error,
-            "workers": [describe(w, time.monotonic()) for w in self.slots.workers],
+            "workers": [describe(w, time.monotonic()) for w in workers],
             "backlog": self.backlog,
             "handed_off": self.handed_off,
             "replaced": processes.replaced,
@@ -380,6 +381,7 @@ class WorkerPool:
             worker.watchers = [worker.process.sentinel]
             return
         kind, queue_id, text = parse_report(message)
+        worker = self.slots.lane_of(worker, queue_id)
         if kind == _CANCEL_HANDLER and queue_id is not None and text is not None:
             self.note(queue_id, text)
             return
@@ -411,6 +413,15 @@ class WorkerPool:
                 return
             # Else about a query whose ACK was answered already: nothing left to do.
         self.send(self.slots.assign())
+
+
+def _check_sizes(workers: int, worker_concurrency: int | None, worker_poll_s: float) -> None:
+    if workers < 1:
+        raise ValueError("a pool needs at least one worker")
+    if worker_concurrency is not None and worker_concurrency < 1:
+        raise ValueError(f"worker_concurrency must be 1 or more, not {worker_concurrency!r}")
+    if worker_poll_s < 0:
+        raise ValueError(f"worker_poll_s must be 0 (off) or more, not {worker_poll_s!r}")
 
 
 def _shown_key(query_key: Any) -> str:

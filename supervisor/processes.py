@@ -49,7 +49,7 @@ class Processes:
         """Spawn workers up to the pool's size. A spawn that fails (EMFILE, EAGAIN, no
         memory) is retried with backoff, and the pool says it is short meanwhile."""
         self._respawn = None
-        while len(self.pool.slots.workers) < self.pool.size and not self.pool.stopping:
+        while len(self.pool.slots.processes()) < self.pool.size and not self.pool.stopping:
             try:
                 self.spawn()
             except OSError as exc:
@@ -58,14 +58,14 @@ class Processes:
                 _log.error(
                     "worker spawn failed (%s): the pool has %d of %d workers; retrying in %.1f s",
                     self.spawn_error,
-                    len(self.pool.slots.workers),
+                    len(self.pool.slots.processes()),
                     self.pool.size,
                     self._spawn_delay,
                 )
                 self._respawn = asyncio.get_running_loop().call_later(self._spawn_delay, self.fill)
                 self._spawn_delay = min(self._spawn_delay * 2, SPAWN_RETRY_MAX)
                 return
-        if self.spawn_error is not None and len(self.pool.slots.workers) == self.pool.size:
+        if self.spawn_error is not None and len(self.pool.slots.processes()) == self.pool.size:
             _log.warning("the pool is back to %d workers", self.pool.size)
         self.spawn_error = None
         self._spawn_delay = SPAWN_RETRY_FIRST
@@ -82,7 +82,8 @@ class Processes:
                     child,
                     self.pool.shm_threshold,
                     self.pool.event_loop,
-                    self.pool.worker_poll_s,
+                    self.pool.worker_poll_s if self.pool.worker_concurrency == 1 else 0.0,
+                    self.pool.worker_concurrency,
                 ),
                 daemon=True,
             )
@@ -99,8 +100,7 @@ class Processes:
         with contextlib.suppress(AttributeError, OSError):
             os.sched_setscheduler(process.pid, os.SCHED_BATCH, os.sched_param(0))
         _log.info("worker %s started", process.pid)
-        worker = Worker(process, parent)
-        self.pool.slots.workers.append(worker)
+        worker = self.pool.slots.add(process, parent, self.pool.worker_concurrency)
         loop = asyncio.get_running_loop()
         loop.add_reader(parent.fileno(), self.pool.heard, worker)
         loop.add_reader(process.sentinel, self.exited, worker)
@@ -117,7 +117,7 @@ class Processes:
         """Whether the worker is retired once its job is done (`done`: that job is not
         counted in `executed` yet): at its task limit, or over its memory limit."""
         limit = self.pool.max_tasks_per_worker
-        if limit and worker.executed + done >= limit:
+        if limit and self.pool.slots.executed(worker) + done >= limit:
             return True
         if self.pool.max_memory_per_worker is None:
             return False
@@ -132,7 +132,9 @@ class Processes:
         return True
 
     def retire(self, worker: Worker) -> None:
-        worker.retiring = True
+        if worker.retiring:
+            return  # asked already (another lane of its process)
+        self.pool.slots.retire(worker)
         with contextlib.suppress(OSError, ValueError):
             worker.conn.send_bytes(b"")
 
@@ -144,22 +146,8 @@ class Processes:
         worker.process.join(0)
         with contextlib.suppress(OSError):
             worker.conn.close()
-        if worker.job is not None:  # an acknowledged one is no longer its job
-            job = worker.job
-            outcome = self.pool.takeback.died(
-                job.queue_id,
-                job.path,
-                worker.process.exitcode,
-                counts=not (job.timed_out or job.abandoned),
-            )
-            self.pool.in_background(self.pool.takeback.take_back(job.queue_id, job.path, outcome))
-        if worker.acking is not None:
-            # It ran to its end; stored, unless the ACK's batch failed to commit and the
-            # worker died before its retry: then its waiters ask again (nothing to take
-            # back once it was stored, and no death counted against it).
-            self.pool.in_background(self.pool.takeback.give_back(worker.acking.queue_id))
-        if worker.next is not None:  # never started: back to the queue, run again
-            self.pool.in_background(self.pool.takeback.give_back(worker.next.queue_id))
+        for lane in worker.lanes:
+            self._take_back(lane)
         if not self.pool.stopping:
             pid, code = worker.process.pid, worker.process.exitcode
             if worker.retiring:
@@ -169,6 +157,22 @@ class Processes:
                 _log.warning("worker %s exited with %s: replaced", pid, code)
                 self.replaced += 1
             self.fill()
+
+    def _take_back(self, lane: Worker) -> None:
+        """What a lane of an exited process held: each query taken back on its own."""
+        takeback, exitcode = self.pool.takeback, lane.process.exitcode
+        if lane.job is not None:  # an acknowledged one is no longer its job
+            job = lane.job
+            counts = not (job.timed_out or job.abandoned)
+            outcome = takeback.died(job.queue_id, job.path, exitcode, counts=counts)
+            self.pool.in_background(takeback.take_back(job.queue_id, job.path, outcome))
+        if lane.acking is not None:
+            # It ran to its end; stored, unless the ACK's batch failed to commit and the
+            # worker died before its retry: then its waiters ask again (nothing to take
+            # back once it was stored, and no death counted against it).
+            self.pool.in_background(takeback.give_back(lane.acking.queue_id))
+        if lane.next is not None:  # never started: back to the queue, run again
+            self.pool.in_background(takeback.give_back(lane.next.queue_id))
 
     def retire_if_due(self, worker: Worker) -> None:
         if self.due_to_retire(worker, quiet=False, done=0):
@@ -194,7 +198,7 @@ class Processes:
             handlers = frozenset(orjson.loads(done.stdout.strip().splitlines()[-1]))
             if self.pool.prefix is not None:
                 self.pool.served = {self.pool.prefix: handlers}
-        retiring = [worker for worker in self.pool.slots.workers if not worker.retiring]
+        retiring = [worker for worker in self.pool.slots.processes() if not worker.retiring]
         _log.warning(
             "reloading %s: %d workers retire after what they hold", self.pool.app_ref, len(retiring)
         )
@@ -204,7 +208,7 @@ class Processes:
 
     async def end(self, grace: float) -> None:
         """The pool stops: every worker asked to finish and exit, killed past `grace`."""
-        workers = self.pool.slots.workers
+        workers = self.pool.slots.processes()
         for worker in workers:
             self.unwatch(worker)
             with contextlib.suppress(OSError, ValueError):
@@ -214,10 +218,11 @@ class Processes:
         for worker in workers:
             await loop.run_in_executor(None, worker.process.join, max(0.0, deadline - loop.time()))
             if worker.process.is_alive():
+                held = [lane.job.path for lane in worker.lanes if lane.job is not None]
                 _log.warning(
                     "worker %d still runs %s after the stop grace of %s s: killed",
                     worker.process.pid,
-                    worker.job.path if worker.job else "nothing",
+                    ", ".join(held) or "nothing",
                     grace,
                 )
                 worker.process.kill()

@@ -1,5 +1,6 @@
-"""A worker process: it runs the queries its supervisor hands over its pipe, one at a time,
-and reports how each ended; the pool's side of the pipe is `pool.py`.
+"""A worker process: it runs the queries its supervisor hands over its pipe, one at a time
+or up to its concurrency at once, and reports how each ended; the pool's side of the pipe
+is `pool.py`.
 
 A hand-off reaches a worker as JSON over its pipe (`job_message`), never as a pickle: it
 is the query as the store holds it. The worker runs it with its own connection to the
@@ -56,6 +57,7 @@ def worker_main(
     shm_threshold: int | None,
     event_loop: LoopChoice = "auto",
     poll_s: float = 0.0,
+    concurrency: int = 1,
 ) -> None:
     import faulthandler
     import signal
@@ -68,7 +70,8 @@ def worker_main(
     _die_with_parent()
     logs.configure(role="worker")  # the supervisor's level and format, on its stream
     loops.run(
-        worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor, poll_s), event_loop
+        worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor, poll_s, concurrency),
+        event_loop,
     )
 
 
@@ -147,7 +150,10 @@ def _die_with_parent() -> None:
 
 
 class _WorkerLoop:
-    """Run what the supervisor hands over, one query at a time: the next starts once the
+    """Run what the supervisor hands over, one query at a time (`concurrency` 1) or up to
+    `concurrency` at once (`_serve_many`).
+
+    One at a time, the next starts once the
     last one's ACK has gone out, not once it is answered (the supervisor sends the next as
     that ACK's batch commits, `WorkerPool.acking`); a query whose ACK is then not stored
     through every retry is reported lost, later.
@@ -162,14 +168,18 @@ class _WorkerLoop:
     the next handed over a few hundred microseconds later, and on a VM the wake-up of a
     halted vCPU costs tens of them."""
 
-    def __init__(self, queue: QueryQueue, conn: Any, poll_s: float) -> None:
+    def __init__(self, queue: QueryQueue, conn: Any, poll_s: float, concurrency: int = 1) -> None:
         self.queue, self.conn, self.poll_s = queue, conn, poll_s
+        self.concurrency = concurrency
         self.loop = asyncio.get_running_loop()
         self.arrived: asyncio.Queue[bytes] = asyncio.Queue()
         self.unstarted_cancels: set[int] = set()
         self.acks: set[asyncio.Future[bool]] = set()  # queries over but for their ACK's answer
-        self.watch = WorkerWatch(conn, self.heard, self.loop)
+        # One at a time, a sync handler runs on this loop's thread, watched from another.
+        self.watch = WorkerWatch(conn, self.heard, self.loop) if concurrency == 1 else None
         queue.executor.watch = self.watch
+        if concurrency == 1:
+            queue.executor.sync_handler_wait = SYNC_HANDLER_WAIT
 
     def gone(self) -> None:
         # Read once: an fd at EOF stays readable, and a reader left on it spins the loop.
@@ -206,11 +216,15 @@ class _WorkerLoop:
             with contextlib.suppress(ValueError, OSError):
                 self.loop.remove_reader(self.conn.fileno())
             self.loop.remove_signal_handler(signal.SIGTERM)
-            self.watch.close()
+            if self.watch is not None:
+                self.watch.close()
             if self.acks:  # their answers (or their retries' end) before the connection closes
                 await asyncio.gather(*self.acks, return_exceptions=True)
 
     async def _serve(self) -> None:
+        if self.concurrency > 1:
+            await self._serve_many()
+            return
         next_query, may_poll, polling = Gap(), False, loops.Polling(self.loop)
         while True:
             waited_from = time.monotonic()
@@ -227,6 +241,38 @@ class _WorkerLoop:
                 return
             await self._run_one(decode_retrieved(blob[1:]))
 
+    async def _serve_many(self) -> None:
+        """Each query on a task of its own, up to `concurrency` at once: async handlers on
+        this loop, sync ones on handler threads. The pool sends no more than that; a query
+        waits here only for room a stopped sync handler still takes (`_run_in_room`)."""
+        room = asyncio.Semaphore(self.concurrency)
+        running: set[asyncio.Task[None]] = set()
+        while blob := await self.arrived.get():
+            task = asyncio.ensure_future(self._run_in_room(room, decode_retrieved(blob[1:])))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        if running:  # the pipe ended: what was sent runs to its end first
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def _run_in_room(self, room: asyncio.Semaphore, retrieved: RetrievedQuery) -> None:
+        """Run `retrieved` while it holds a place in `room`: from its start until its ACK
+        goes out (the pool sends the next as that ACK commits), or, for a sync handler
+        cancelled or timed out, until its thread ends (Python cannot stop it, and it still
+        works the data source)."""
+        queue, queue_id = self.queue, retrieved.queue_id
+        async with room:
+            if queue_id in self.unstarted_cancels:
+                self.unstarted_cancels.discard(queue_id)
+                with contextlib.suppress(OSError, ValueError):
+                    self.conn.send_bytes(report(DONE, queue_id))
+                return
+            running = await _run_to_its_ack(queue, retrieved)
+            if queue.executor.handler_thread_runs(queue_id):
+                await asyncio.to_thread(queue.executor.wait_for_handler_threads, None, queue_id)
+        if not await running:
+            with contextlib.suppress(OSError, ValueError):
+                self.conn.send_bytes(report(LOST, queue_id))  # the supervisor gives it back
+
     async def _run_one(self, retrieved: RetrievedQuery) -> None:
         queue, conn, queue_id = self.queue, self.conn, retrieved.queue_id
         if queue_id in self.unstarted_cancels:
@@ -234,7 +280,7 @@ class _WorkerLoop:
             conn.send_bytes(report(DONE, queue_id))
             return
         running = await _run_to_its_ack(queue, retrieved)
-        if self.watch.stopped(queue_id):
+        if self.watch is not None and self.watch.stopped(queue_id):
             # Cancelled or timed out while it ran on this thread: the watch told the
             # pool it is over (so its next waits) and now it has ended.
             reported = await running
@@ -266,18 +312,21 @@ async def worker_loop(
     shm_threshold: int | None,
     supervisor: int,
     poll_s: float = 0.0,
+    concurrency: int = 1,
 ) -> None:
-    """A worker's life on its loop (`_WorkerLoop`): the app loaded, a connection to the
-    supervisor, queries run until the pipe ends, then everything closed."""
+    """A worker's life on its loop (`_WorkerLoop`): the app loaded and its worker start
+    hooks run, a connection to the supervisor, queries run until the pipe ends, then its
+    stop hooks and everything closed."""
     from queryqueue.app import load_app
     from queryqueue.driver_socket.client import SocketQueueDriver
 
     app = load_app(app_ref)
+    await app.hooks.started()
     driver = SocketQueueDriver(socket_path, shm_threshold=shm_threshold)
     queue = app.pool_queue(driver)
-    queue.executor.sync_handler_wait = SYNC_HANDLER_WAIT
     try:
-        await _WorkerLoop(queue, conn, poll_s).run(supervisor)
+        await _WorkerLoop(queue, conn, poll_s, concurrency).run(supervisor)
     finally:
         await queue.close(grace=0)
         await driver.close()
+        await app.hooks.stopped()

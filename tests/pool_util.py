@@ -20,13 +20,21 @@ POOL_APP = "tests.apps.pool_app:app"
 
 @contextlib.asynccontextmanager
 async def pool_server(
-    store: QueueStore, workdir: Path, *, workers: int = 1, **server_options: Any
+    store: QueueStore,
+    workdir: Path,
+    *,
+    workers: int = 1,
+    app_ref: str = POOL_APP,
+    pool_options: dict[str, Any] | None = None,
+    stop_grace: float = 0,
+    **server_options: Any,
 ) -> AsyncIterator[tuple[QueueServer, WorkerPool, Any]]:
     """(server, its pool, a pool queue on it); the queue's driver is `queue.driver`. All
     of it is stopped afterwards (the workers by their pool, by pid), and `store` closed."""
-    from tests.apps.pool_app import app
+    from queryqueue.app import load_app
 
-    pool = WorkerPool(POOL_APP, workdir / "s.sock", store, workers=workers)
+    app = load_app(app_ref)
+    pool = WorkerPool(app_ref, workdir / "s.sock", store, workers=workers, **(pool_options or {}))
     server = QueueServer(store, workdir / "s.sock", pool=pool, **server_options)
     await server.start()
     driver = SocketQueueDriver(server.socket_path)
@@ -37,7 +45,7 @@ async def pool_server(
     finally:
         await queue.shutdown(grace=0)
         await driver.close()
-        await pool.stop(grace=0)
+        await pool.stop(grace=stop_grace)
         await server.stop()
         store.close()
 

@@ -3,14 +3,17 @@ what each worker is doing (its `Phase`).
 
 Plain objects, no processes, pipes or clocks: the pool (pool.py) tells `Slots` what
 happened (a hand-off, an ACK committing or answered, a worker's report, its exit) and
-carries out what it decides: each `Send` is a query for a worker's pipe. A worker holds
-at most one query running (`job`), one whose ACK is committing while it runs the next
-(`acking`), and one sent while a thread of its last query still ran (`next`).
+carries out what it decides: each `Send` is a query for a worker's pipe. A `Worker` is
+one lane of a worker process, a process running N queries at once has N lanes sharing its
+process and pipe (`lanes`). A lane holds at most one query running (`job`), one whose ACK
+is committing while it runs the next (`acking`), and one sent while a thread of its last
+query still ran (`next`).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +52,10 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class Worker:
+    """One lane of a worker process: one query at a time. Every lane of a process shares
+    its handles, its `lanes` list (the first lane stands for the process) and its fate:
+    retired, exited or killed together."""
+
     process: Any  # the pool's handles, never touched here
     conn: Any  # the supervisor's end of the worker's pipe
     job: Job | None = None
@@ -64,6 +71,11 @@ class Worker:
     watchers: list[int] = field(default_factory=list)
     retiring: bool = False  # asked to exit after what it holds
     draining_since: float | None = None  # ran out of its query but a thread still runs it
+    lanes: list[Worker] = field(default_factory=list, repr=False)  # its process's, shared
+
+    def __post_init__(self) -> None:
+        if not self.lanes:
+            self.lanes.append(self)
 
     @property
     def phase(self) -> Phase:
@@ -89,8 +101,44 @@ Send = tuple[Worker, Job]
 
 class Slots:
     def __init__(self) -> None:
-        self.workers: list[Worker] = []
+        self.workers: list[Worker] = []  # every lane of every process
         self.backlog: deque[Job] = deque()
+        self._one_lane_each = True  # no process has more: the backlog goes in lane order
+
+    def add(self, process: Any, conn: Any, lanes: int = 1) -> Worker:
+        """A worker process running up to `lanes` queries at once: its first lane, which
+        stands for it."""
+        first = Worker(process, conn)
+        for _ in range(lanes - 1):
+            first.lanes.append(Worker(process, conn, lanes=first.lanes))
+        self.workers += first.lanes
+        self._one_lane_each = self._one_lane_each and lanes == 1
+        return first
+
+    def processes(self) -> list[Worker]:
+        """The first lane of each worker process."""
+        return [worker for worker in self.workers if worker.lanes[0] is worker]
+
+    @staticmethod
+    def executed(worker: Worker) -> int:
+        """Queries the worker's process ended, over all its lanes."""
+        return sum(lane.executed for lane in worker.lanes)
+
+    @staticmethod
+    def retire(worker: Worker) -> None:
+        """Its process takes no more: every lane finishes what it holds."""
+        for lane in worker.lanes:
+            lane.retiring = True
+
+    @staticmethod
+    def lane_of(worker: Worker, queue_id: QueueId | None) -> Worker:
+        """The lane of the worker's process that holds `queue_id` (its first: none does)."""
+        if len(worker.lanes) > 1:
+            for lane in worker.lanes:
+                for held in (lane.job, lane.acking, lane.next):
+                    if held is not None and held.queue_id == queue_id:
+                        return lane
+        return worker
 
     @property
     def held(self) -> int:
@@ -135,15 +183,38 @@ class Slots:
         return self.assign()
 
     def assign(self) -> list[Send]:
-        """The backlog's head for each worker that takes one, in the workers' order."""
+        """The backlog's head for each worker that takes one: in the workers' order, or,
+        where a process has several lanes, to the least loaded process first."""
         sends: list[Send] = []
         backlog = self.backlog
+        if not self._one_lane_each:
+            return self._assign_by_load()
         for worker in self.workers:
             if not backlog:
                 break
             if worker.takes():
                 worker.job = backlog.popleft()
                 sends.append((worker, worker.job))
+        return sends
+
+    def _assign_by_load(self) -> list[Send]:
+        free: dict[int, list[Worker]] = {}
+        for worker in self.workers:
+            if worker.takes():
+                free.setdefault(id(worker.lanes), []).append(worker)
+        heap = [
+            (sum(lane.job is not None for lane in lanes[0].lanes), order, key)
+            for order, (key, lanes) in enumerate(free.items())
+        ]
+        heapq.heapify(heap)
+        sends: list[Send] = []
+        while self.backlog and heap:
+            load, order, key = heapq.heappop(heap)
+            worker = free[key].pop(0)
+            worker.job = self.backlog.popleft()
+            sends.append((worker, worker.job))
+            if free[key]:
+                heapq.heappush(heap, (load + 1, order, key))
         return sends
 
     def unsent(self, worker: Worker, job: Job) -> None:
@@ -168,7 +239,7 @@ class Slots:
                 or worker.retiring
             ):
                 return []
-            if job.timed_out or (task_limit and worker.executed + 1 >= task_limit):
+            if job.timed_out or (task_limit and self.executed(worker) + 1 >= task_limit):
                 return []
             worker.job, worker.acking = None, job
             return self.assign()
@@ -232,10 +303,10 @@ class Slots:
         ]
 
     def leave(self, worker: Worker) -> bool:
-        """The worker exited; False: it had left already."""
+        """The worker's process exited, every lane of it; False: it had left already."""
         if worker not in self.workers:
             return False
-        self.workers.remove(worker)
+        self.workers = [lane for lane in self.workers if lane.lanes is not worker.lanes]
         return True
 
     def clear(self) -> list[Job]:
