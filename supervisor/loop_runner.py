@@ -52,7 +52,7 @@ class LoopRunner(Runner):
         inbox = self.server.inbox
         now = time.monotonic()
         awaited, until = self.linger.awaited(
-            self.server.running(), coming(inbox.carried, inbox.queued), now
+            self.server.running(), coming(inbox.carried, inbox.freeing, inbox.queued), now
         )
         if not awaited:
             return False

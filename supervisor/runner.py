@@ -100,6 +100,8 @@ class Runner:
     def take_batch(self) -> list[Request]:
         server = self.server
         batch = self.order(server.inbox.take())
+        for connection in {request.connection for request in batch if request.connection.throttled}:
+            connection.reader.resume()  # read again if the inbox held it back
         segments, shared = server.segments, server.store.shared
         for request in batch:  # checked here, on the loop: the segments live on it
             if request.checked:

@@ -721,7 +721,8 @@ async def test_an_acks_woken_long_poll_is_written_before_its_workers_ack_answer(
 
         def after_a_pass(runner: LoopRunner) -> None:
             server = runner.server
-            if any(r.method == "ack" for r in server.inbox.queued) and server.connections:
+            waiting = [*server.inbox.freeing, *server.inbox.queued]
+            if any(r.method == "ack" for r in waiting) and server.connections:
                 server.flush_soon(next(iter(server.connections)))  # nothing to write
             execute_turn(runner)
 
@@ -881,9 +882,13 @@ async def test_on_sqlite_an_acks_freed_slot_is_filled_before_the_rest_of_its_bat
             adding_later = asyncio.ensure_future(
                 caller.add(f"{prefix}:later", _sql("later", 0), priority=priority)
             )
-            inbox = server.inbox.queued  # the running workers' heartbeats may be there too
-            await wait_until(lambda: "add" in [r.method for r in inbox], what=str(inbox))
-            await wait_until(lambda: "ack" in [r.method for r in inbox], what=str(inbox))
+            inbox = server.inbox  # the running workers' heartbeats may be there too
+
+            def waiting() -> list[str]:
+                return [r.method for r in (*inbox.freeing, *inbox.queued)]
+
+            await wait_until(lambda: "add" in waiting(), what=str(waiting()))
+            await wait_until(lambda: "ack" in waiting(), what=str(waiting()))
             held[0] = False
             runner.schedule()
             assert (await asyncio.wait_for(adding_later, 10)).added

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from queryqueue import QueryCancelledError, QueryTimeoutError, SocketQueueDriver, SqliteQueueStore
+from queryqueue.supervisor.launch import launch
 from queryqueue.supervisor.pool import WorkerPool
 from tests.pool_util import ask, pool_server
-from tests.supervisor_util import start_supervisor
+from tests.supervisor_util import REPO, start_supervisor
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
 
@@ -134,7 +135,7 @@ async def test_a_timed_out_query_in_a_shared_worker_fails_alone(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, handler: str
 ) -> None:
     async with _lanes(workdir, monkeypatch, SHORT) as (pool, queue, gate):
-        slow = asyncio.ensure_future(ask(queue, handler, "slow", _query("slow", seconds=60)))
+        slow = asyncio.ensure_future(ask(queue, handler, "slow", _query("slow", seconds=3)))
         others = [
             asyncio.ensure_future(ask(queue, handler, key, _query(key))) for key in ("a", "b")
         ]
@@ -226,3 +227,45 @@ async def _stats(socket_path: Path) -> dict[str, Any]:
         return await driver.stats()
     finally:
         await driver.close()
+
+
+async def test_the_budget_holds_across_hosts_whose_workers_run_more_or_fewer_at_once(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two supervisors on one PostgreSQL queue (budget 4): one with 4 workers x 1, one with
+    2 x 3. Counted in the handlers, never more than 4 run at once, and each query once."""
+    from tests.apps.lanes_app import app
+    from tests.postgres_util import URL, drop_schema, fresh_schema, require_postgres
+
+    require_postgres()
+    schema = fresh_schema()
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    shapes = {"a": ("--workers", "4", "--worker-concurrency", "1"), "b": ("--workers", "2")}
+    hosts = [
+        launch(
+            workdir / f"{name}.db", workdir / f"{name}.sock", "--schema", schema, "--app",
+            LANES, *options, store=URL, cwd=REPO,
+        )
+        for name, options in shapes.items()
+    ]  # fmt: skip
+    drivers = [SocketQueueDriver(host.socket_path) for host in hosts]
+    queues = [app.pool_queue(driver, continue_wait_timeout=30.0) for driver in drivers]
+    try:
+        keys = [f"k{i}" for i in range(16)]
+        asked = [
+            ask(queues[i % 2], "held_sync", key, _query(key, seconds=0.1))
+            for i, key in enumerate(keys)
+        ]
+        results = await asyncio.gather(*asked)
+        workers = [len((await driver.stats())["pool"]["workers"]) for driver in drivers]
+    finally:
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        for host in hosts:
+            assert host.stop() == 0
+        drop_schema(schema)
+    assert sorted(result["key"] for result in results) == sorted(keys)
+    assert sorted(event[1] for event in _started(workdir)) == sorted(keys)  # each ran once
+    assert 2 <= max_overlap(read_trace(workdir)) <= 4
+    assert workers == [4, 2]

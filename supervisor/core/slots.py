@@ -104,6 +104,8 @@ class Slots:
         self.workers: list[Worker] = []  # every lane of every process
         self.backlog: deque[Job] = deque()
         self._one_lane_each = True  # no process has more: the backlog goes in lane order
+        # What `holding` finds by queue id: every job in the backlog or a lane's job or next.
+        self._held: dict[QueueId, Job] = {}
 
     def add(self, process: Any, conn: Any, lanes: int = 1) -> Worker:
         """A worker process running up to `lanes` queries at once: its first lane, which
@@ -150,6 +152,8 @@ class Slots:
 
     def holding(self, key: QueueKey) -> Job | None:
         """The job of an item the pool holds, waiting or running, by id or path."""
+        if isinstance(key, int):
+            return self._held.get(key)
         for job in self.backlog:
             if job.named(key):
                 return job
@@ -179,8 +183,14 @@ class Slots:
         ]
 
     def submit(self, job: Job) -> list[Send]:
+        self._held[job.queue_id] = job
         self.backlog.append(job)
         return self.assign()
+
+    def _let_go(self, job: Job | None) -> None:
+        """`job` is no longer held (ended, acknowledging, removed, its worker gone)."""
+        if job is not None and self._held.get(job.queue_id) is job:
+            del self._held[job.queue_id]
 
     def assign(self) -> list[Send]:
         """The backlog's head for each worker that takes one: in the workers' order, or,
@@ -198,6 +208,14 @@ class Slots:
         return sends
 
     def _assign_by_load(self) -> list[Send]:
+        if not self.backlog:
+            return []
+        if len(self.backlog) == 1:  # a hand-off, a freed lane: one pass finds its lane
+            worker = self._least_loaded()
+            if worker is None:
+                return []
+            worker.job = self.backlog.popleft()
+            return [(worker, worker.job)]
         free: dict[int, list[Worker]] = {}
         for worker in self.workers:
             if worker.takes():
@@ -216,6 +234,24 @@ class Slots:
             if free[key]:
                 heapq.heappush(heap, (load + 1, order, key))
         return sends
+
+    def _least_loaded(self) -> Worker | None:
+        """A lane that takes a query, of the process running the fewest."""
+        best: Worker | None = None
+        best_load = 0
+        load, free, lanes = 0, None, None
+        for lane in self.workers:  # a process's lanes are next to each other
+            if lane.lanes is not lanes:
+                if free is not None and (best is None or load < best_load):
+                    best, best_load = free, load
+                load, free, lanes = 0, None, lane.lanes
+            if lane.job is not None:
+                load += 1
+            elif free is None and lane.takes():
+                free = lane
+        if free is not None and (best is None or load < best_load):
+            best = free
+        return best
 
     def unsent(self, worker: Worker, job: Job) -> None:
         """A send that failed (the worker died): first in the backlog again."""
@@ -242,6 +278,7 @@ class Slots:
             if job.timed_out or (task_limit and self.executed(worker) + 1 >= task_limit):
                 return []
             worker.job, worker.acking = None, job
+            self._let_go(job)
             return self.assign()
         return []
 
@@ -250,19 +287,21 @@ class Slots:
         the worker whose query it ended is free now (or was made free as the ACK's batch
         committed: `acking`). That worker and the query it starts now (`finish`), or
         None: no worker's query."""
+        by_id = isinstance(key, int)
         for worker in self.workers:
-            acking = worker.acking
-            if acking is not None and acking.named(key):
+            acking, job = worker.acking, worker.job
+            if acking is not None and (acking.queue_id == key if by_id else acking.named(key)):
                 worker.acking = None
                 self.ended(worker, acking)
                 return worker, None
-            if worker.job is not None and worker.job.named(key):
+            if job is not None and (job.queue_id == key if by_id else job.named(key)):
                 return worker, self.finish(worker)
         return None
 
     def finish(self, worker: Worker) -> Job | None:
         """The worker's query is over: what was sent it meanwhile (`next`) is its job now
         (returned, to be stamped as started)."""
+        self._let_go(worker.job)
         self.ended(worker, worker.job)
         worker.job, worker.next = worker.next, None
         return worker.job
@@ -279,6 +318,7 @@ class Slots:
         worker.draining_since = now
         job = worker.job
         if job is not None and job.queue_id == queue_id:
+            self._let_go(job)
             worker.job = None  # its ACK was not answered: it is over all the same
             worker.executed += 1
         elif job is not None:  # sent since its ACK: it waits for the thread, unstarted
@@ -295,6 +335,7 @@ class Slots:
         (what it runs, its cancel handler runs; one sent ahead is skipped)."""
         for job in [job for job in self.backlog if job.named(key)]:
             self.backlog.remove(job)
+            self._let_go(job)
         return [
             (worker, held)
             for worker in self.workers
@@ -307,6 +348,9 @@ class Slots:
         if worker not in self.workers:
             return False
         self.workers = [lane for lane in self.workers if lane.lanes is not worker.lanes]
+        for lane in worker.lanes:
+            self._let_go(lane.job)
+            self._let_go(lane.next)
         return True
 
     def clear(self) -> list[Job]:
@@ -315,4 +359,5 @@ class Slots:
         held += self.backlog
         self.backlog.clear()
         self.workers.clear()
+        self._held.clear()
         return held
