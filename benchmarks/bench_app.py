@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -81,3 +82,33 @@ def raw(query: Any, set_cancel_handler: Any) -> bytes:
 def arrow(query: Any, set_cancel_handler: Any) -> Any:
     """An Arrow table of `size` bytes of columns."""
     return make("arrow", int(query["size"]))
+
+
+# Queries that wait on I/O: a budget of 64, each worker process running 32 at once (the
+# io_bound workload overrides the split with --workers and --worker-concurrency).
+io = QueueApp(
+    "bench_io",
+    concurrency=64,
+    worker_concurrency=32,
+    continue_wait_timeout=60.0,
+    heartbeat_interval=5.0,
+)
+
+
+@io.handler("sleep_async")
+async def sleep_async(query: Any, set_cancel_handler: Any) -> int:
+    """Waits `seconds` as a network call would, on the worker's loop."""
+    await asyncio.sleep(query["seconds"])
+    return 1
+
+
+@io.handler("sleep_sync")
+def sleep_sync(query: Any, set_cancel_handler: Any) -> int:
+    """Waits `seconds` as a blocking driver would, on a worker's thread."""
+    time.sleep(query["seconds"])
+    return 1
+
+
+# The callers' side of examples/postgres_app.py's queue (its supervisor runs the example's
+# handlers; a caller needs only the queue's name).
+pg_example = QueueApp("pg", concurrency=32, continue_wait_timeout=60.0)

@@ -86,10 +86,13 @@ REFRESH_TICKS = 25
 
 
 class TreeMeter:
-    """`with TreeMeter() as meter: ...` then `meter.cpu_s`, `meter.peak_rss`."""
+    """`with TreeMeter() as meter: ...` then `meter.cpu_s`, `meter.peak_rss`: of this
+    process's tree, or of the trees of `roots` (a server and its workers, say)."""
 
-    def __init__(self, extra_pids: Sequence[int] = (), interval: float = 0.02) -> None:
-        self.root = psutil.Process(os.getpid())
+    def __init__(
+        self, extra_pids: Sequence[int] = (), interval: float = 0.02, roots: Sequence[int] = ()
+    ) -> None:
+        self.roots = [psutil.Process(pid) for pid in roots or [os.getpid()]]
         self.extra = [psutil.Process(pid) for pid in extra_pids if psutil.pid_exists(pid)]
         self.interval = interval
         self.cpu_s = 0.0
@@ -99,7 +102,7 @@ class TreeMeter:
         self._start_cpu = 0.0
 
     def _processes(self) -> list[psutil.Process]:
-        return tree(self.root) + self.extra
+        return [process for root in self.roots for process in tree(root)] + self.extra
 
     def _sample(self) -> None:
         # Finding the tree scans every process on the machine (~3 ms here): done on every

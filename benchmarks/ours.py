@@ -55,10 +55,13 @@ def _producer(
     go: Any,
     leave: Any,
     out: Any,
+    app_name: str = "app",
 ) -> None:
     # On the loop the supervisor and its workers run on: uvloop where installed, as an
     # ASGI server (uvicorn) picks it for a request process too.
-    loops.run(_produce(index, socket_path, jobs, in_flight, spacing, ready, go, leave, out))
+    loops.run(
+        _produce(index, socket_path, jobs, in_flight, spacing, ready, go, leave, out, app_name)
+    )
 
 
 async def _produce(
@@ -71,13 +74,14 @@ async def _produce(
     go: Any,
     leave: Any,
     out: Any,
+    app_name: str,
 ) -> None:
-    from benchmarks.bench_app import app
+    from benchmarks import bench_app
     from queryqueue.driver_socket.client import SocketQueueDriver
     from queryqueue.engine.errors import ContinueWaitError
 
     driver = SocketQueueDriver(socket_path, decode_in_place=True)  # as QueueApp's own
-    queue = app.pool_queue(driver)
+    queue = getattr(bench_app, app_name).pool_queue(driver)
     await driver.call("ping")  # connected before the clock starts
     ready.put(1)
     await asyncio.to_thread(go.wait)
@@ -194,6 +198,7 @@ def drive(
     in_flight: int,
     spacing: list[float] | None = None,
     start_offsets: list[float] | None = None,
+    app_name: str = "app",
 ) -> Run:
     """Run one list of jobs per request process, all starting together; measured from the
     moment they are told to go to the moment the last result arrived. With several
@@ -216,6 +221,7 @@ def drive(
                 gos[i],
                 leave,
                 out,
+                app_name,
             ),
             daemon=True,
         )

@@ -49,7 +49,18 @@ PEERS = [
     ),
     Peer("dramatiq", "dramatiq", ("dramatiq[redis]==2.2.1",), True, None),
 ]
+# The io_bound workload's peers: many waiting tasks per worker process (io_peer_runner.py).
+IO_PEERS = [
+    Peer("saq", "saq", ("saq==0.26.4", "redis==8.1.0", "typing_extensions"), True, None),
+    Peer("arq", "arq", ("arq==0.28.0",), True, None),
+    Peer("celery-threads", "celery", ("celery[redis]==5.7.0",), True, None),
+    Peer("dramatiq-threads", "dramatiq", ("dramatiq[redis]==2.2.1",), True, None),
+]
 LABELS = {
+    "saq": "saq 0.26 (async, Redis)",
+    "arq": "arq 0.28 (async, Redis)",
+    "celery-threads": "Celery 5.7 (threads pool, Redis)",
+    "dramatiq-threads": "Dramatiq 2.2 (threads, Redis)",
     "huey-sqlite": "Huey 3.5 (SQLite, process workers)",
     "huey-redis": "Huey 3.5 (Redis, notify_result)",
     "rq": "RQ 3.0 (forking Worker)",
@@ -86,11 +97,13 @@ def ensure_venv(peer: Peer) -> Path:
     return python
 
 
-def available() -> tuple[list[tuple[Peer, Path]], list[dict[str, Any]]]:
+def available(
+    among: list[Peer] | None = None,
+) -> tuple[list[tuple[Peer, Path]], list[dict[str, Any]]]:
     """Peers ready to run, and a skip row for each that is not."""
     ready, skipped = [], []
     redis = redis_up()
-    for peer in PEERS:
+    for peer in PEERS if among is None else among:
         if peer.needs_redis and not redis:
             reason = "no Redis server on 127.0.0.1:6379"
         else:
@@ -105,8 +118,9 @@ def available() -> tuple[list[tuple[Peer, Path]], list[dict[str, Any]]]:
 
 
 def run(python: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    runner = "io_peer_runner.py" if spec.get("workload") == "io_bound" else "peer_runner.py"
     done = subprocess.run(
-        [str(python), str(HERE / "peer_runner.py"), json.dumps(spec)],
+        [str(python), str(HERE / runner), json.dumps(spec)],
         capture_output=True,
         text=True,
         env={"PATH": "/usr/bin:/bin", "QQ_REDIS_URL": REDIS_URL},

@@ -11,7 +11,9 @@ Workloads (a fresh store for each repetition, a warm-up first, median and min-ma
 3. dedup_storm: identical concurrent requests from 8 processes against a 200 ms query;
 4. priority_burst: a backlog of priority-0 work, then priority-10 arrivals: their wait;
 5. large_results: 1, 10, 100 MiB results to the caller, against a raw shared-memory copy;
-6. soak: 1,000,000 no-op queries: supervisor RSS at start, middle, end; database and WAL.
+6. soak: 1,000,000 no-op queries: supervisor RSS at start, middle, end; database and WAL;
+7. io_bound: 2,000 queries waiting 100 ms of I/O each at a budget of 64, workers running
+   many at once, against the ideal schedule and the peers that do the same (io_bound.py).
 
 Writes `<out>/benchmarks.json`, `<out>/benchmarks.md` (the tables) and, with matplotlib,
 `<out>/benchmarks.png`. Asserts nothing about speed.
@@ -33,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import ours, peers, reference
+from benchmarks import io_bound, ours, peers, reference
 from benchmarks.measure import spread
 
 WORKLOADS = [
@@ -43,6 +45,7 @@ WORKLOADS = [
     "priority_burst",
     "large_results",
     "soak",
+    "io_bound",
 ]
 
 
@@ -58,6 +61,7 @@ class Sizes:
     sizes_mib: list[int]
     soak: int
     postgres: int  # throughput queries on PostgreSQL (a network store: fewer)
+    io_bound: int  # queries that wait 100 ms each
 
 
 # The workloads that set systems side by side run in rounds, one repetition of every
@@ -65,8 +69,8 @@ class Sizes:
 # README), each system then meets every hour of the run, not the one its turn fell in.
 COMPARED = ("throughput", "idle_latency", "dedup_storm", "priority_burst")
 
-FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000, 5_000)
-QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000, 500)
+FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000, 5_000, 2_000)
+QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000, 500, 640)
 
 
 def machine() -> dict[str, Any]:
@@ -117,9 +121,10 @@ def run(
     for number in range(sizes.reps if compared else 0):
         if sizes.reps > 1:
             print(f"round {number + 1} of {sizes.reps}", flush=True)
-        rounds.append(_workloads(once, compared, ready, steps, measured))
+        rounds.append(_workloads(once, compared, ready, steps, measured, with_peers))
     rows = _merged(rounds)
-    rows += _workloads(sizes, [w for w in only if w not in COMPARED], ready, steps, measured)
+    rest = [w for w in only if w not in COMPARED]
+    rows += _workloads(sizes, rest, ready, steps, measured, with_peers)
     return {
         "benchmark": "queryqueue suite",
         "machine": machine(),
@@ -135,6 +140,7 @@ def _workloads(
     ready: list[tuple[peers.Peer, Path]],
     steps: list[str] | None,
     measured: Callable[[list[dict[str, Any]]], None],
+    with_peers: bool = True,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
 
@@ -187,6 +193,12 @@ def _workloads(
     if "soak" in only:
         print("soak", flush=True)
         step("queryqueue", lambda: ours.soak(s.soak))
+    if "io_bound" in only:
+        print("io bound", flush=True)
+        step("queryqueue", lambda: io_bound.ours(s.io_bound, s.reps))
+        step("queryqueue on PostgreSQL", lambda: io_bound.postgres_example(s.io_bound, s.reps))
+        if with_peers:
+            step("peers", lambda: io_bound.peer_rows(s.io_bound, s.reps))
     return rows
 
 
@@ -281,6 +293,11 @@ def tables(report: dict[str, Any]) -> str:
                 extra = (
                     f"supervisor RSS {rss['start']} / {rss['middle']} / {rss['end']} MB; "
                     f"db {r['db_mb']} MB, WAL {r['wal_mb']} MB; "
+                )
+            if "of_ideal" in r:
+                extra += (
+                    f"{r['of_ideal']:.0%} of the ideal {r['ideal']['queries_per_s']:g} q/s, p99 "
+                    f"{r['p99_of_ideal']:.2f}x the ideal's {r['ideal']['p99_ms']:g} ms; "
                 )
             if r.get("commands_per_query"):
                 extra += f"{r['commands_per_query']} supervisor commands per query"
