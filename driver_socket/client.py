@@ -19,6 +19,7 @@ from typing import Any
 
 from queryqueue.driver_socket.link import Connection, ConnectionLost, Link
 from queryqueue.driver_socket.paths import default_socket_path, socket_source
+from queryqueue.driver_socket.permits import PollPermits
 from queryqueue.driver_socket.protocol import (
     DECODERS,
     DEFAULT_MAX_FRAME,
@@ -114,6 +115,7 @@ class SocketQueueDriver:
         self.pool_prefixes: frozenset[str] = frozenset()
         self._slot_watchers: dict[str, set[Callable[[], None]]] = {}
         self.pipelined = PipelinedPolls()
+        self.polls = PollPermits()  # long polls at the supervisor at once: its limit
 
     @property
     def reconnects(self) -> int:
@@ -131,6 +133,9 @@ class SocketQueueDriver:
     def _hello(self, link: Link, hello: dict[str, Any]) -> None:
         # Prefixes the supervisor's worker pool runs; a new connection watches again.
         self.pool_prefixes = frozenset(hello.get("pool", ()))
+        limit = hello.get("max_long_polls")
+        if isinstance(limit, int):
+            self.polls.set_limit(limit)
         for prefix in list(self._slot_watchers):
             link.send(
                 encode_frame({"id": next(self.connection.ids), "cmd": "watch", "args": [prefix]})
@@ -256,8 +261,11 @@ class SocketQueueDriver:
         if then_wait_ms is None or then_wait_ms < 0:
             return await self._decoded(method, *args, **kwargs)
         link = await self.connection.connected()
+        if not self.polls.try_take():  # its long poll waits for a permit, sent later
+            return await self._decoded(method, *args, **kwargs)
         wait_id = next(self.connection.ids)
         waited: asyncio.Future[dict[str, Any]] = link.loop.create_future()
+        waited.add_done_callback(lambda _: self.polls.give())
         link.pending[wait_id] = waited
         pipelined = PipelinedPoll(link, wait_id, waited)
         message = {
@@ -359,7 +367,11 @@ class SocketQueueDriver:
                 raise_error(reply["error"])
             answer: ResultResponse | None = DECODERS["result_blocking"](reply.get("ok"))
         else:
-            answer = await self._decoded("result_blocking", key, timeout_ms, extra_wait=extra)
+            await self.polls.take()
+            try:
+                answer = await self._decoded("result_blocking", key, timeout_ms, extra_wait=extra)
+            finally:
+                self.polls.give()
         return await self._read_shared(answer)
 
     async def get(self, key: QueueKey) -> QueryDefResponse | None:

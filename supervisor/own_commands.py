@@ -92,7 +92,8 @@ class OwnCommands:
         # off instead of running them itself.
         served = [pool.prefix for pool in self.server.pools if pool.prefix]
         # Nothing committed is in it: it need not wait for a sync (synced.py).
-        hello = {"pid": os.getpid(), "pool": served}
+        # How many long polls it parks for one connection: a client holds the rest.
+        hello = {"pid": os.getpid(), "pool": served, "max_long_polls": connection.limits.max_parked}
         connection.send({"id": request_id, "ok": hello}, after_sync=False)
 
     def _ping(self, connection: Connection, request_id: Any, *_: Any) -> None:
