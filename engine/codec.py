@@ -48,7 +48,7 @@ from typing import Any
 import orjson
 
 from queryqueue.engine.binary import LARGE_JSON, BinaryResult, binary_of, from_bytes
-from queryqueue.engine.errors import QueryError
+from queryqueue.engine.errors import InvalidCommandError, QueryError
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 Node = str | dict[str, Any]
@@ -113,6 +113,27 @@ class Codecs:
             return binary
         data = self.encode_bytes(value)
         return from_bytes("json", data) if len(data) >= LARGE_JSON else data.decode()
+
+    def encode_value(self, value: Any, name: str) -> tuple[Any, Node | None]:
+        """`value` (a query, a query key) as plain JSON, and the node that gives its types
+        back (None: it is plain JSON). A value without a codec is an `InvalidCommandError`
+        naming its type and where it is in `name`."""
+        if _is_plain(value):
+            try:
+                orjson.dumps(value)
+                return value, None
+            except TypeError:
+                pass  # an int past 64 bits: the walk below tags it
+        try:
+            return self._walk(value)
+        except _Unencodable as exc:
+            where = name + "".join(f"[{step!r}]" for step in reversed(exc.path))
+            kind = type(exc.value)
+            raise InvalidCommandError(
+                f"the {name} holds a {kind.__module__}.{kind.__qualname__} at {where}"
+                f"{exc.why or ', which has no codec'}: pass JSON values, a type of the "
+                "documented mapping, or register a codec for it (QueueApp.codec)"
+            ) from None
 
     def encode_result(self, value: Any) -> str:
         """The outcome text of a successful query."""

@@ -214,7 +214,7 @@ class Executor:
             raise QueryError(f"no query handler {name!r}")
         if inspect.iscoroutinefunction(handler):
             execution.handler_task = asyncio.ensure_future(
-                handler(query.get("query"), set_cancel_handler)
+                handler(self._query_of(execution), set_cancel_handler)
             )
         elif watch is not None:
             value = self._run_on_loop(watch, execution, handler, set_cancel_handler)
@@ -227,7 +227,7 @@ class Executor:
                 functools.partial(
                     self._in_threads.call,
                     handler,
-                    query.get("query"),
+                    self._query_of(execution),
                     set_cancel_handler,
                     key=execution.retrieved.queue_id,
                 ),
@@ -297,7 +297,7 @@ class Executor:
         )
         watch.begin(execution.on_loop)
         try:
-            value = handler(execution.retrieved.query.get("query"), set_cancel_handler)
+            value = handler(self._query_of(execution), set_cancel_handler)
         except Exception:
             if execution.stopped is None:
                 raise
@@ -336,7 +336,7 @@ class Executor:
         if self.queue.stream_handler is None:
             raise QueryError("no stream_handler for a stream query")
         stream = self.queue.streams.create(retrieved.query_key_hash, query.get("query"))
-        task = asyncio.ensure_future(self.queue.stream_handler(query.get("query"), stream))
+        task = asyncio.ensure_future(self.queue.stream_handler(self._query_of(execution), stream))
         execution.handler_task = task
         try:
             await task
@@ -352,6 +352,14 @@ class Executor:
             self.queue.streams.ended(stream)
         await stream.end()
         return '{"streamResult":true}'
+
+    def _query_of(self, execution: Execution) -> Any:
+        """The query its handler gets: typed values (`queryTypes`) given back their types
+        (a tree that does not fit fails the query with a `QueryError`)."""
+        query = execution.retrieved.query
+        value = query.get("query")
+        types = query.get("queryTypes")
+        return value if types is None else self.queue.codecs.decode(value, types)
 
     def close(self) -> None:
         self._threads.close()

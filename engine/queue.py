@@ -138,8 +138,20 @@ class QueryQueue:
     # -- request side --------------------------------------------------------------------
 
     def hash_query_key(self, query_key: Any, *, persistent: bool = False) -> str:
-        """The key's hash as this queue stores it (Cube's, with `@processUid` if persistent)."""
-        return hash_query_key(query_key, persistent=persistent, process_uid=self.process_uid)
+        """The key's hash as this queue stores it (Cube's, with `@processUid` if persistent).
+        A key of typed values (a date, a Decimal) is hashed as its codec's JSON."""
+        try:
+            return hash_query_key(query_key, persistent=persistent, process_uid=self.process_uid)
+        except (TypeError, InvalidCommandError):  # not JSON as it is: its codec's JSON
+            return hash_query_key(
+                self.plain_key(query_key), persistent=persistent, process_uid=self.process_uid
+            )
+
+    def plain_key(self, query_key: Any) -> Any:
+        """The key as JSON: itself if it is JSON, else its codec's JSON and the types it
+        holds (`InvalidCommandError` for a value without a codec)."""
+        plain, types = self.codecs.encode_value(query_key, "query key")
+        return plain if types is None else [plain, types]
 
     async def execute_in_queue(
         self,

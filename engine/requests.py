@@ -136,21 +136,25 @@ class RequestSide:
         then_wait_ms: int | None,
     ) -> AddedToQueue:
         """ADD, or on the fast track ADD_AND_RETRIEVE; joins an identical query in flight."""
+        # Typed values (a date, a Decimal) travel as the result codec writes them, their
+        # types beside (`queryTypes`, which Cube's clients never read): the handler gets
+        # them back typed.
+        query, types = self.queue.codecs.encode_value(request.query, "query")
         query_def: QueryDef = {
             "queryHandler": request.query_handler,
-            "query": request.query,
-            "queryKey": request.query_key,
+            "query": query,
+            "queryKey": self.queue.plain_key(request.query_key),
             "stageQueryKey": request.stage_query_key,
             "priority": request.priority,
             "requestId": request.request_id,
             "addedToQueueTime": self.queue.clock.now_ms(),
         }
+        if types is not None:
+            query_def["queryTypes"] = types
         try:
             orjson.dumps(query_def)
         except TypeError as exc:
-            raise InvalidCommandError(
-                f"query and query key must be JSON serializable: {exc}"
-            ) from None
+            raise InvalidCommandError(f"the stage query key must be JSON: {exc}") from None
         is_stream = request.query_handler == STREAM_HANDLER
         return await self.queue.connection.add_to_queue(
             query_key_hash,

@@ -14,7 +14,7 @@ def total(request: HttpRequest) -> JsonResponse:
     placeholders = ",".join("(?)" for _ in values) or "(0)"
     sql = f"SELECT sum(column1), count(*) FROM (VALUES {placeholders})"
     try:
-        [[sum_, count]] = app.run_sync("sql", ["total", values], {"sql": sql, "params": values})
+        [[sum_, count]] = app.run_sync("sql", {"sql": sql, "params": values})
     except QueryError as exc:
         return JsonResponse({"error": str(exc)}, status=500)
     return JsonResponse({"sum": sum_, "count": count})

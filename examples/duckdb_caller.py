@@ -16,7 +16,7 @@ SQL = "SELECT i AS id, i * 0.5 AS value, 'row ' || i AS name FROM range(?) t(i)"
 
 def main(rows: int) -> int:
     try:
-        table = app.run_sync("sql", ["rows", rows], {"sql": SQL, "params": [rows]})
+        table = app.run_sync("sql", {"sql": SQL, "params": [rows]})
         frame = table.to_pandas()  # pandas, from the Arrow table
         print("pandas", len(frame), frame["value"].sum())
         polars = pl.from_arrow(table)  # Polars, sharing its buffers
@@ -24,7 +24,6 @@ def main(rows: int) -> int:
         print("polars", polars.height, polars["id"].max())
         one = app.run_sync(
             "scalar",
-            ["one"],
             {
                 "sql": "SELECT 12.50::DECIMAL(10,2) AS price, DATE '2026-12-01' AS day, "
                 "TIMESTAMPTZ '2026-12-01 09:30:00+00' AS at"

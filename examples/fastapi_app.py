@@ -32,9 +32,7 @@ async def squares(n: int) -> dict[str, Any]:
     )
     try:
         # Identical requests in flight share one execution; priority 10 is the fast track.
-        rows = await app.run(
-            "sql", ["squares", n], {"sql": sql, "params": [n]}, priority=10, timeout=30
-        )
+        rows = await app.run("sql", {"sql": sql, "params": [n]}, priority=10, timeout=30)
     except QueryTimeoutError:
         raise HTTPException(status_code=504, detail="the query took too long") from None
     except QueryError as exc:

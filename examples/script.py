@@ -14,7 +14,7 @@ from queryqueue import QueryError
 
 def main(sql: str) -> int:
     try:
-        rows = app.run_sync("sql", ["script", sql], {"sql": sql})
+        rows = app.run_sync("sql", {"sql": sql})
     except QueryError as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1

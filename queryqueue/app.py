@@ -198,18 +198,20 @@ class QueueApp:
     async def run(
         self,
         query_handler: str,
-        query_key: Any,
         query: Any,
         *,
+        key: Any = None,
         priority: int = 0,
         timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, like Future.result(timeout)
         request_id: str | None = None,
     ) -> Any:
         """Run the query in the supervisor's pool (or join an identical one in flight) and
-        return its result: `QueryQueue.run` on this process's queue."""
+        return its result: `QueryQueue.run` on this process's queue. `key`: what makes two
+        calls the same query, sharing one execution (None: the query itself, so identical
+        queries share and different ones never do)."""
         return await self.client_queue().run(
             query_handler,
-            query_key,
+            query if key is None else key,
             query,
             priority=priority,
             timeout=timeout,
@@ -220,9 +222,9 @@ class QueueApp:
     async def view(
         self,
         query_handler: str,
-        query_key: Any,
         query: Any,
         *,
+        key: Any = None,
         priority: int = 0,
         timeout: float | None = None,  # noqa: ASYNC109 - as run's
     ) -> AsyncIterator[Any]:
@@ -230,7 +232,12 @@ class QueueApp:
         the worker wrote, valid inside the `async with` (its lease ends on exit, or with the
         process). A result that was not in shared memory is a private copy."""
         view = await self.client_queue().run(
-            query_handler, query_key, query, priority=priority, timeout=timeout, view=True
+            query_handler,
+            query if key is None else key,
+            query,
+            priority=priority,
+            timeout=timeout,
+            view=True,
         )
         try:
             yield view.value
@@ -240,9 +247,9 @@ class QueueApp:
     def run_sync(
         self,
         query_handler: str,
-        query_key: Any,
         query: Any,
         *,
+        key: Any = None,
         priority: int = 0,
         timeout: float | None = None,
         request_id: str | None = None,
@@ -251,7 +258,7 @@ class QueueApp:
         until the result. Nothing runs in this process, whatever the priority."""
         return self.sync_queue().run(
             query_handler,
-            query_key,
+            query if key is None else key,
             query,
             priority=priority,
             timeout=timeout,
@@ -271,8 +278,9 @@ class QueueApp:
         return SocketQueueDriver(self.socket_path, decode_in_place=True)
 
     async def cancel(self, query_key: Any) -> bool:
-        """Cancel the query of this key: its waiters get `QueryCancelledError`, the worker
-        running it its cancel handler. False if it was neither queued nor running."""
+        """Cancel the query of this key (or this query, asked without one): its waiters get
+        `QueryCancelledError`, the worker running it its cancel handler. False if it was
+        neither queued nor running."""
         queue = self.client_queue()
         return await queue.cancel_query(queue.hash_query_key(query_key))
 

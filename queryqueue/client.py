@@ -62,17 +62,18 @@ class Client:
         self,
         queue: str,
         query_handler: str,
-        query_key: Any,
         query: Any,
         *,
+        key: Any = None,
         priority: int = 0,
         timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, as app.run's
         request_id: str | None = None,
     ) -> Any:
         """Run `query_handler` of `queue` on `query` in the supervisor's pool (or join an
-        identical one in flight) and return its result."""
+        identical one in flight) and return its result. `key`: what makes two calls the
+        same query (None: the query itself)."""
         return await self.queue(queue).run(
-            query_handler, query_key, query,
+            query_handler, query if key is None else key, query,
             priority=priority, timeout=timeout, request_id=request_id,
         )  # fmt: skip
 
@@ -80,9 +81,9 @@ class Client:
         self,
         queue: str,
         query_handler: str,
-        query_key: Any,
         query: Any,
         *,
+        key: Any = None,
         priority: int = 0,
         timeout: float | None = None,
         request_id: str | None = None,
@@ -92,7 +93,7 @@ class Client:
         if face is None:
             face = self._sync[(os.getpid(), queue)] = SyncQueryQueue(make=lambda: self._make(queue))
         return face.run(
-            query_handler, query_key, query,
+            query_handler, query if key is None else key, query,
             priority=priority, timeout=timeout, request_id=request_id,
         )  # fmt: skip
 

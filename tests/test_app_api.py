@@ -75,8 +75,8 @@ CALLER = textwrap.dedent(
     if mode == "echo":
         print(json.dumps({
             "pid": os.getpid(),
-            "low": outcome(lambda: app.run_sync("echo", "k1", {"x": 1})),
-            "urgent": outcome(lambda: app.run_sync("echo", "k2", {"x": 2}, priority=10)),
+            "low": outcome(lambda: app.run_sync("echo", {"x": 1})),
+            "urgent": outcome(lambda: app.run_sync("echo", {"x": 2}, priority=10)),
         }))
     elif mode == "hand-built":
         from queryqueue import SocketQueueDriver, SyncQueryQueue
@@ -87,12 +87,12 @@ CALLER = textwrap.dedent(
                 "urgent": outcome(lambda: queue.run("echo", "k3", {"x": 3}, priority=10)),
             }))
     elif mode == "divide":
-        print(json.dumps(outcome(lambda: app.run_sync("divide", "d", {"a": 1, "b": 0}))))
+        print(json.dumps(outcome(lambda: app.run_sync("divide", {"a": 1, "b": 0}))))
     elif mode == "slow":
         key = sys.argv[2]
         outcomes = []
         def wait():
-            outcomes.append(outcome(lambda: app.run_sync("slow", key, {"key": key})))
+            outcomes.append(outcome(lambda: app.run_sync("slow", {"key": key})))
         threads = [threading.Thread(target=wait) for _ in range(3)]
         for t in threads: t.start()
         for t in threads: t.join()

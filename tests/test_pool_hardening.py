@@ -78,7 +78,7 @@ async def test_a_query_that_kills_its_worker_three_times_fails_for_every_waiter(
     harsh: SupervisorProcess, workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _one_long_poll(monkeypatch)
-    waiters = [app.run("suicide", "doom", {"key": "doom"}, timeout=60) for _ in range(2)]
+    waiters = [app.run("suicide", {"key": "doom"}, key="doom", timeout=60) for _ in range(2)]
     outcomes = await asyncio.gather(*waiters, return_exceptions=True)
     assert [type(o) for o in outcomes] == [WorkerLostError] * 2
     assert "killed its worker 3 times" in str(outcomes[0])
@@ -98,7 +98,7 @@ async def test_a_stopped_worker_is_timed_out_by_the_supervisor_and_replaced(
 ) -> None:
     _one_long_poll(monkeypatch)
     waiters = [
-        asyncio.ensure_future(app.run("sleep", "stuck", {"key": "stuck", "seconds": 30}))
+        asyncio.ensure_future(app.run("sleep", {"key": "stuck", "seconds": 30}, key="stuck"))
         for _ in range(2)
     ]
     await wait_until(lambda: _starts(workdir, "stuck"), within=30, what="started")
@@ -127,7 +127,7 @@ def _zombie(pid: int) -> bool:
 async def test_a_worker_whose_supervisor_dies_finishes_its_query_without_spinning(
     harsh: SupervisorProcess, workdir: Path
 ) -> None:
-    caller = asyncio.ensure_future(app.run("sleep", "orphan", {"key": "orphan", "seconds": 2}))
+    caller = asyncio.ensure_future(app.run("sleep", {"key": "orphan", "seconds": 2}, key="orphan"))
     await wait_until(lambda: _starts(workdir, "orphan"), within=30, what="started")
     worker = psutil.Process(int(_starts(workdir, "orphan")[0][2]))
     queue_id = next(

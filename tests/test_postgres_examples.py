@@ -70,12 +70,7 @@ def _ask_eight(app: Any, lock: int) -> list[Any]:
         try:
             return list(
                 await asyncio.gather(
-                    *(
-                        app.run(
-                            "sql", f"wait-{lock}-{i}", {"sql": _marked(lock), "params": [i, lock]}
-                        )
-                        for i in range(8)
-                    )
+                    *(app.run("sql", {"sql": _marked(lock), "params": [i, lock]}) for i in range(8))
                 )
             )
         finally:

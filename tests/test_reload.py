@@ -89,7 +89,7 @@ async def test_a_reload_rolls_out_new_code_while_callers_keep_asking(
         while not stop.is_set():
             n += 1
             key = f"c{caller}-{n}"
-            answers.append(await app.run("version", key, {"key": key}, timeout=60))
+            answers.append(await app.run("version", {"key": key}, key=key, timeout=60))
 
     callers = [asyncio.ensure_future(keep_asking(i)) for i in range(4)]
     try:

@@ -351,25 +351,25 @@ async def app(pool: SupervisorProcess) -> AsyncIterator[Any]:
 
 
 async def test_typed_values_and_binary_results_round_trip_through_the_pool(app: Any) -> None:
-    value = await app.run("typed", "typed", {})
+    value = await app.run("typed", {}, key="typed")
     expected = typed_rows()
     assert value["rows"] == expected["rows"] and value["total"] == expected["total"]
     assert value["matrix"].dtype == np.float32 and (value["matrix"] == expected["matrix"]).all()
     with pytest.raises(QueryError, match=r"results_app\.Opaque at result\['rows'\]\[0\]"):
-        await app.run("opaque", "opaque", {})
+        await app.run("opaque", {}, key="opaque")
     for rows in (10, 100_000):  # inline, and through shared memory
-        table = await app.run("arrow", f"arrow{rows}", {"key": rows, "rows": rows})
+        table = await app.run("arrow", {"key": rows, "rows": rows}, key=f"arrow{rows}")
         assert table.equals(arrow_table(rows))
-    rows = await app.run("many", "many", {"n": 20_000})  # JSON parsed out of its segment
+    rows = await app.run("many", {"n": 20_000}, key="many")  # JSON parsed out of its segment
     assert rows == many_rows(20_000) and isinstance(rows[5]["price"], Decimal)
-    raw = await app.run("bytes", "bytes", {"size": 4 * MiB})
+    raw = await app.run("bytes", {"size": 4 * MiB}, key="bytes")
     assert raw == bytes(range(256)) * (4 * MiB // 256)
-    array = await app.run("array", "array", {"n": 1_000_000})
+    array = await app.run("array", {"n": 1_000_000}, key="array")
     assert (array == np.arange(1_000_000).reshape(-1, 4)).all() and array.flags.writeable
-    table = await app.run("frame", "frame", {"rows": 50_000})
+    table = await app.run("frame", {"rows": 50_000}, key="frame")
     pd.testing.assert_frame_equal(table, frame(50_000))
     with pytest.raises(QueryError, match=r"results_app\.Opaque at result\['cells'\]\[0\]"):
-        await app.run("object_array", "object_array", {})
+        await app.run("object_array", {}, key="object_array")
 
 
 async def _stats(pool: SupervisorProcess) -> dict[str, Any]:

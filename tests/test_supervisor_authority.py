@@ -65,7 +65,7 @@ async def test_a_callers_concurrency_never_exceeds_the_supervisors_budget(
     try:
         results = await asyncio.gather(
             *(
-                app.run("sql", f"k{i}", {"key": f"k{i}", "seconds": 0.2}, priority=priority)
+                app.run("sql", {"key": f"k{i}", "seconds": 0.2}, key=f"k{i}", priority=priority)
                 for i in range(12)
                 for priority in ((10,) if i % 2 else (0,))
             )
@@ -102,7 +102,7 @@ async def test_a_caller_with_a_timeout_is_not_held_by_a_missing_supervisor(
     try:
         # Bounded well below those 30 s: a caller held past its own timeout fails here.
         with pytest.raises(QueryTimeoutError, match="within 2 s"):
-            await asyncio.wait_for(app.run("sql", "k", {"key": "k"}, timeout=2), 15)
+            await asyncio.wait_for(app.run("sql", {"key": "k"}, key="k", timeout=2), 15)
     finally:
         await app.aclose()
 
@@ -133,7 +133,7 @@ async def test_a_stop_gives_back_what_ran_past_its_grace_for_the_next_supervisor
     app = _greedy_app(first)
     keys = ["slow1", "slow2"]
     callers = [
-        asyncio.ensure_future(app.run("sql", key, {"key": key, "seconds": 3.0}, timeout=90))
+        asyncio.ensure_future(app.run("sql", {"key": key, "seconds": 3.0}, key=key, timeout=90))
         for key in keys
     ]
     try:
@@ -214,14 +214,14 @@ async def test_a_thin_client_gets_results_without_the_handlers_code(
 ) -> None:
     client = Client(pool.socket_path)
     try:
-        result = await client.run("pool", "sql", "thin", {"key": "thin", "seconds": 0})
+        result = await client.run("pool", "sql", {"key": "thin", "seconds": 0}, key="thin")
         assert result["key"] == "thin" and result["pid"] != os.getpid()
         with pytest.raises(UnknownHandlerError):
-            await client.run("pool", "nope", "k", {})
+            await client.run("pool", "nope", {}, key="k")
     finally:
         await client.aclose()
     loop_free = await asyncio.to_thread(
-        Client(pool.socket_path).run_sync, "pool", "sql", "sync", {"key": "sync", "seconds": 0}
+        Client(pool.socket_path).run_sync, "pool", "sql", {"key": "sync", "seconds": 0}
     )
     assert loop_free["key"] == "sync"
 
@@ -272,11 +272,14 @@ async def test_two_queues_on_one_supervisor_each_run_within_their_own_budget(
             ("three", f"three-{i}") for i in range(9)
         ]
         results = await asyncio.gather(
-            *(client.run(queue, "sql", key, {"key": key, "seconds": 0.2}) for queue, key in asked)
+            *(
+                client.run(queue, "sql", {"key": key, "seconds": 0.2}, key=key)
+                for queue, key in asked
+            )
         )
         assert sorted(r["key"] for r in results) == sorted(key for _, key in asked)
         with pytest.raises(UnknownHandlerError, match="queue 'one' has no handler 'hoard'"):
-            await client.run("one", "hoard", "h", {"bytes": 1})
+            await client.run("one", "hoard", {"bytes": 1}, key="h")
         stats = await client.queue("one").driver.stats()
     finally:
         await client.aclose()

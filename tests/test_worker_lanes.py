@@ -269,3 +269,24 @@ async def test_the_budget_holds_across_hosts_whose_workers_run_more_or_fewer_at_
     assert sorted(event[1] for event in _started(workdir)) == sorted(keys)  # each ran once
     assert 2 <= max_overlap(read_trace(workdir)) <= 4
     assert workers == [4, 2]
+
+
+async def test_identical_queries_asked_without_a_key_share_one_execution(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`app.run(handler, query)`: the key is the query, so three identical calls share
+    one execution and a different query runs apart."""
+    from tests.apps.lanes_app import app
+
+    async with _lanes(workdir, monkeypatch) as (_, _queue, gate):
+        monkeypatch.setattr(app, "socket_path", workdir / "s.sock")
+        try:
+            same = [app.run("held", _query("same")) for _ in range(3)]
+            running = asyncio.gather(*same, app.run("held", _query("other")))
+            await wait_until(lambda: len(_started(workdir)) == 2, within=30, what="both started")
+            gate.unlink()
+            results = await running
+        finally:
+            await app.aclose()
+    assert [result["key"] for result in results] == ["same", "same", "same", "other"]
+    assert sorted(event[1] for event in _started(workdir)) == ["other", "same"]
