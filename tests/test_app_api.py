@@ -251,7 +251,7 @@ def test_cancel_from_the_command_line_reaches_every_waiter_and_the_worker_at_onc
     caller = project.slow_caller("s")
     try:
         started = time.monotonic()
-        cancelled = project.cli("cancel", "--prefix", "mymod", '"s"')
+        cancelled = project.cli("cancel", "--prefix", "mymod", '{"key": "s"}')
         assert cancelled.returncode == 0, cancelled.stderr
         assert cancelled.stdout.startswith("cancelled mymod:")
         wait_until_sync(
@@ -265,7 +265,7 @@ def test_cancel_from_the_command_line_reaches_every_waiter_and_the_worker_at_onc
         outcomes = orjson.loads(out)
         assert [o["error"] for o in outcomes] == ["QueryCancelledError"] * 3
         assert sum(t[:2] == ["start", "s"] for t in project.trace()) == 1  # it ran once
-        again = project.cli("cancel", "--prefix", "mymod", '"s"')
+        again = project.cli("cancel", "--prefix", "mymod", '{"key": "s"}')
         assert again.returncode == 1 and "nothing queued or running" in again.stderr
     finally:
         if caller.poll() is None:
@@ -312,7 +312,7 @@ def test_status_shows_the_workers_and_what_they_run(project: Project) -> None:
         assert watched.returncode == 0, watched.stderr
         assert watched.stdout.count("pool: 2 of 2 workers") == 2
         assert str(worker_pid) in watched.stdout and "busy" in watched.stdout
-        assert project.cli("cancel", "--prefix", "mymod", '"watched"').returncode == 0
+        assert project.cli("cancel", "--prefix", "mymod", '{"key": "watched"}').returncode == 0
         caller.communicate(timeout=30)
         assert caller.returncode == 0
     finally:

@@ -418,7 +418,7 @@ VIEWER = textwrap.dedent(
     query, go = {"key": "viewed", "rows": 100_000, "gate": sys.argv[1]}, Path(sys.argv[2])
 
     async def main():
-        async with app.view("arrow", "viewed", query) as table:
+        async with app.view("arrow", query, key="viewed") as table:
             print("viewing", flush=True)
             while not go.exists():
                 await asyncio.sleep(0.01)
