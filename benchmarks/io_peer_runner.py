@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from measure import TreeMeter, redis_server_pids  # noqa: E402
-from peer_runner import collect, stop_workers  # noqa: E402
+from peer_runner import collect, end  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PER_WORKER = 32
@@ -178,14 +178,8 @@ def run_once(spec: dict, rep: int) -> dict:
             go.set()
             for index, records in collect(out, processes):
                 by_share[index] = records
-        for process in processes:
-            process.join(30)
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(10)
-        stop_workers(workers)
+        end(processes, workers)
     return {"by_share": by_share, "peak_rss": meter.peak_rss}
 
 

@@ -225,17 +225,21 @@ def run_once(spec: dict, workdir: Path) -> dict:
                 event.set()
             for index, records in collect(out, processes):
                 by_share[index] = records
-        for process in processes:
-            process.join(30)
     finally:
-        # A failed run leaves request processes behind, one perhaps blocked handing its
-        # records to a queue nobody reads now: this process's exit would wait for it.
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(10)
-        stop_workers(workers)
+        end(processes, workers)
     return {"by_share": by_share, "cpu_s": meter.cpu_s, "peak_rss": meter.peak_rss}
+
+
+def end(processes: list, workers: list[subprocess.Popen]) -> None:
+    """The request processes joined, and the peer's workers stopped. A failed run leaves
+    request processes behind, one perhaps blocked handing its records to a queue nobody
+    reads now: this process's exit would wait for it, so it is terminated."""
+    for process in processes:
+        process.join(30)
+        if process.is_alive():
+            process.terminate()
+            process.join(10)
+    stop_workers(workers)
 
 
 def collect(out, processes: list, limit_s: float = 3600.0):

@@ -24,7 +24,7 @@ from tests.batches import answers_or_errors
 from tests.pool_util import ask, pool_server
 from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_postgres
 from tests.recording import record_calls
-from tests.supervisor_util import REPO
+from tests.supervisor_util import REPO, close_all
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until, wait_until_sync
 
@@ -91,11 +91,7 @@ async def _two_pool_hosts(
     try:
         yield hosts, drivers, queues
     finally:
-        for queue, driver in zip(queues, drivers, strict=True):
-            await queue.shutdown(grace=0)
-            await driver.close()
-        for host in hosts:
-            assert host.stop() == 0
+        await close_all(queues, drivers, hosts)
 
 
 async def test_two_hosts_share_dedup_and_the_concurrency_budget(

@@ -27,7 +27,7 @@ from queryqueue import (
     UnknownQueueError,
 )
 from queryqueue.engine.hashing import hash_query_key
-from tests.supervisor_util import SupervisorProcess, start_supervisor
+from tests.supervisor_util import SupervisorProcess, start_supervisor, stats_of
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
 
@@ -241,18 +241,10 @@ def test_a_budget_its_workers_cannot_run_is_refused_and_the_default_pool_follows
     assert not (workdir / "q.db").exists()  # refused before anything was opened
     process = start_supervisor(workdir / "queue.db", workdir / "s.sock", "--app", APP)
     try:
-        stats = asyncio.run(_stats(process.socket_path))
+        stats = asyncio.run(stats_of(process.socket_path))
         assert stats["pool"]["size"] == 2  # the queue's concurrency
     finally:
         assert process.stop() == 0
-
-
-async def _stats(socket_path: Path) -> dict[str, Any]:
-    driver = SocketQueueDriver(socket_path)
-    try:
-        return await driver.stats()
-    finally:
-        await driver.close()
 
 
 async def test_two_queues_on_one_supervisor_each_run_within_their_own_budget(

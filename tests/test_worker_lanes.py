@@ -20,7 +20,7 @@ from queryqueue import QueryCancelledError, QueryTimeoutError, SocketQueueDriver
 from queryqueue.supervisor.launch import launch
 from queryqueue.supervisor.pool import WorkerPool
 from tests.pool_util import ask, pool_server
-from tests.supervisor_util import REPO, start_supervisor
+from tests.supervisor_util import REPO, close_all, start_supervisor, stats_of
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
 
@@ -214,19 +214,11 @@ def test_the_pool_is_sized_by_its_budget_over_each_workers_lanes(workdir: Path) 
             workdir / "queue.db", workdir / "s.sock", "--app", LANES, *options
         )
         try:
-            pool = asyncio.run(_stats(process.socket_path))["pool"]
+            pool = asyncio.run(stats_of(process.socket_path))["pool"]
             assert (pool["size"], pool["worker_concurrency"]) == (size, each)
             assert [worker["concurrency"] for worker in pool["workers"]] == [each] * size
         finally:
             assert process.stop() == 0
-
-
-async def _stats(socket_path: Path) -> dict[str, Any]:
-    driver = SocketQueueDriver(socket_path)
-    try:
-        return await driver.stats()
-    finally:
-        await driver.close()
 
 
 async def test_the_budget_holds_across_hosts_whose_workers_run_more_or_fewer_at_once(
@@ -259,11 +251,7 @@ async def test_the_budget_holds_across_hosts_whose_workers_run_more_or_fewer_at_
         results = await asyncio.gather(*asked)
         workers = [len((await driver.stats())["pool"]["workers"]) for driver in drivers]
     finally:
-        for queue, driver in zip(queues, drivers, strict=True):
-            await queue.shutdown(grace=0)
-            await driver.close()
-        for host in hosts:
-            assert host.stop() == 0
+        await close_all(queues, drivers, hosts)
         drop_schema(schema)
     assert sorted(result["key"] for result in results) == sorted(keys)
     assert sorted(event[1] for event in _started(workdir)) == sorted(keys)  # each ran once
