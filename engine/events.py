@@ -18,6 +18,7 @@ PERFORMING_QUERY = "Performing query"
 PERFORMING_COMPLETED = "Performing query completed"
 ERROR_WHILE_QUERYING = "Error while querying"
 QUERY_CANCELLED = "Query cancelled while it ran"
+RETRYING_QUERY = "Retrying query"  # its handler failed with an error its policy retries
 CANCELLING_TIMEOUT = "Cancelling query due to timeout"
 CANCELLING_EXTERNAL = "Cancelling query due to external cancellation"
 HEARTBEAT = "Query processing heartbeat"
@@ -36,6 +37,7 @@ _WARNINGS = {
     CANCELLING_TIMEOUT,
     CANCELLING_EXTERNAL,
     QUERY_CANCELLED,
+    RETRYING_QUERY,
 }
 _ERRORS = {
     ERROR_UPDATING_HEARTBEAT,

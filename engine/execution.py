@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from queryqueue.engine.codec import Codecs
 from queryqueue.engine.loop_run import LoopRun
 from queryqueue.engine.retrieved import RetrievedQuery
 
@@ -24,6 +25,14 @@ class Execution:
     finished: bool = False  # the handler is done: the heartbeat loop must end
     handler_task: asyncio.Future[Any] | None = None
     side_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+def query_of(retrieved: RetrievedQuery, codecs: Codecs) -> Any:
+    """The query its handler gets: typed values (`queryTypes`) given back their types (a
+    tree that does not fit fails the query with a `QueryError`)."""
+    value = retrieved.query.get("query")
+    types = retrieved.query.get("queryTypes")
+    return value if types is None else codecs.decode(value, types)
 
 
 def execution_context(prefix: str, retrieved: RetrievedQuery) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from queryqueue.engine import events as ev
+from queryqueue.engine import retrying
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.binary import Outcome
 from queryqueue.engine.cancelling import call_cancel_handler
@@ -28,7 +29,7 @@ from queryqueue.engine.errors import (
     StoreError,
     SupervisorUnavailableError,
 )
-from queryqueue.engine.execution import Execution, execution_context
+from queryqueue.engine.execution import Execution, execution_context, query_of
 from queryqueue.engine.handlers import QueryHandler, SetCancelHandler
 from queryqueue.engine.loop_run import (
     LoopRun,
@@ -39,6 +40,7 @@ from queryqueue.engine.loop_run import (
 from queryqueue.engine.outcome import CANCELLED_MESSAGE, encode_error
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.retrying import NO_RETRIES
 from queryqueue.engine.threads import HandlerThreads, ThreadedCalls
 
 if TYPE_CHECKING:
@@ -136,7 +138,13 @@ class Executor:
         )
         started = time.monotonic()
         try:
-            result = await self._run_handler(execution, watch)
+            result = await retrying.attempts(
+                functools.partial(self._run_handler, execution, watch),
+                self.queue.retry_policies.get(str(query.get("queryHandler")), NO_RETRIES),
+                self.queue.execution_timeout,
+                self.queue.clock,
+                retrying.reporting(self.queue.events, context),
+            )
             self.queue.events.emit(
                 ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
             )
@@ -200,9 +208,11 @@ class Executor:
                 await self.queue.clock.sleep(delay)
                 waited, delay = waited + delay, min(delay * 2, ACK_RETRY_MAX)
 
-    async def _run_handler(self, execution: Execution, watch: LoopRunWatch | None) -> Outcome:
-        """Run the handler (on the loop's thread under `watch`, if given); its result as
-        the JSON text (or binary result) to ACK with."""
+    async def _run_handler(
+        self, execution: Execution, watch: LoopRunWatch | None, seconds: float
+    ) -> Outcome:
+        """Run the handler (on the loop's thread under `watch`, if given) for `seconds`
+        at most; its result as the JSON text (or binary result) to ACK with."""
         query = execution.retrieved.query
         name = query.get("queryHandler")
         set_cancel_handler = self._cancel_handler_setter(execution)
@@ -214,10 +224,10 @@ class Executor:
             raise QueryError(f"no query handler {name!r}")
         if inspect.iscoroutinefunction(handler):
             execution.handler_task = asyncio.ensure_future(
-                handler(self._query_of(execution), set_cancel_handler)
+                handler(query_of(execution.retrieved, self.queue.codecs), set_cancel_handler)
             )
         elif watch is not None:
-            value = self._run_on_loop(watch, execution, handler, set_cancel_handler)
+            value = self._run_on_loop(watch, execution, handler, set_cancel_handler, seconds)
             if inspect.isawaitable(value):
                 value = await value
             return self.queue.codecs.encode_outcome(value)
@@ -227,14 +237,14 @@ class Executor:
                 functools.partial(
                     self._in_threads.call,
                     handler,
-                    self._query_of(execution),
+                    query_of(execution.retrieved, self.queue.codecs),
                     set_cancel_handler,
                     key=execution.retrieved.queue_id,
                 ),
                 within=self.sync_handler_wait,
             )
         try:
-            value = await wait_within(execution.handler_task, self.queue.execution_timeout)
+            value = await wait_within(execution.handler_task, seconds)
         except TimeoutError:
             execution.handler_task.cancel()
             raise _timeout_error(self.queue.execution_timeout) from None
@@ -288,16 +298,15 @@ class Executor:
         execution: Execution,
         handler: QueryHandler,
         set_cancel_handler: SetCancelHandler,
+        seconds: float,
     ) -> Any:
         """Run a sync handler on this (the loop's) thread while `watch` looks on. Stopped
         from the watch's thread, its end, whatever it is, is that stop's error."""
         stop = functools.partial(self._stop_on_loop, execution, asyncio.get_running_loop())
-        execution.on_loop = LoopRun(
-            execution.retrieved.queue_id, time.monotonic() + self.queue.execution_timeout, stop
-        )
+        execution.on_loop = LoopRun(execution.retrieved.queue_id, time.monotonic() + seconds, stop)
         watch.begin(execution.on_loop)
         try:
-            value = handler(self._query_of(execution), set_cancel_handler)
+            value = handler(query_of(execution.retrieved, self.queue.codecs), set_cancel_handler)
         except Exception:
             if execution.stopped is None:
                 raise
@@ -336,7 +345,9 @@ class Executor:
         if self.queue.stream_handler is None:
             raise QueryError("no stream_handler for a stream query")
         stream = self.queue.streams.create(retrieved.query_key_hash, query.get("query"))
-        task = asyncio.ensure_future(self.queue.stream_handler(self._query_of(execution), stream))
+        task = asyncio.ensure_future(
+            self.queue.stream_handler(query_of(execution.retrieved, self.queue.codecs), stream)
+        )
         execution.handler_task = task
         try:
             await task
@@ -352,14 +363,6 @@ class Executor:
             self.queue.streams.ended(stream)
         await stream.end()
         return '{"streamResult":true}'
-
-    def _query_of(self, execution: Execution) -> Any:
-        """The query its handler gets: typed values (`queryTypes`) given back their types
-        (a tree that does not fit fails the query with a `QueryError`)."""
-        query = execution.retrieved.query
-        value = query.get("query")
-        types = query.get("queryTypes")
-        return value if types is None else self.queue.codecs.decode(value, types)
 
     def close(self) -> None:
         self._threads.close()

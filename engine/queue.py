@@ -41,6 +41,7 @@ from queryqueue.engine.reconcile import Reconciler
 from queryqueue.engine.requests import Request, RequestSide
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
+from queryqueue.engine.retrying import RetryPolicy
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.stream import QueryStream, Streams
 
@@ -84,6 +85,7 @@ class QueryQueue:
         fast_track: bool = True,
         reconcile: bool = True,
         codecs: Codecs | None = None,
+        retry_policies: Mapping[str, RetryPolicy] | None = None,
     ) -> None:
         v.check_queue_options(
             concurrency=concurrency,
@@ -101,13 +103,13 @@ class QueryQueue:
         self.concurrency = concurrency
         self.continue_wait_timeout = continue_wait_timeout
         self.execution_timeout = execution_timeout
-        self.orphaned_timeout = orphaned_timeout
-        self.heartbeat_interval = heartbeat_interval
+        self.orphaned_timeout, self.heartbeat_interval = orphaned_timeout, heartbeat_interval
         self.process_uid = process_uid or str(uuid.uuid4())
         self.fast_track = fast_track
         self.reconcile = reconcile  # False: a supervisor reconciles for it (its own streams aside)
         self.clock: Clock = clock or SystemClock()
         self.codecs = codecs or Codecs()  # results' types, both ways
+        self.retry_policies = dict(retry_policies or {})  # by handler: runs again on failure
         self.events = Events(logger)
         self.driver: QueueDriver = (
             LocalQueueDriver(driver) if driver is None or isinstance(driver, QueueStore) else driver

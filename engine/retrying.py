@@ -1,0 +1,92 @@
+"""Running a query's handler again after a transient failure: a handler's `RetryPolicy`.
+
+A warehouse that drops a connection or answers "try again" fails a query no caller should
+see fail. A handler registered with `retries=N` runs again, up to N more times, when it
+raises one of its `retry_on` exceptions: after `backoff` seconds, doubled each time and
+spread by jitter (half to one and a half of it), so that a source that failed many
+queries at once is not asked again by all of them at the same moment. All its attempts
+share the query's execution timeout: a retry starts only with time left, and runs with
+what is left. A cancelled or timed-out query is never run again.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from queryqueue.engine.clock import Clock
+from queryqueue.engine.errors import QueryCancelledError, QueryTimeoutError
+from queryqueue.engine.events import RETRYING_QUERY, Events
+
+MAX_DELAY_S = 30.0  # the longest wait between two attempts, however many came before
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a handler's failures are retried: `retries` more attempts at most, for the
+    exceptions of `retry_on`, `backoff` seconds before the first retry (doubled after)."""
+
+    retries: int = 0
+    retry_on: tuple[type[BaseException], ...] = (Exception,)
+    backoff: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"retries must be a whole number, 0 or more, not {self.retries!r}")
+        if not self.backoff >= 0:
+            raise ValueError(f"backoff must be 0 or more seconds, not {self.backoff!r}")
+        for kind in self.retry_on:
+            if not (isinstance(kind, type) and issubclass(kind, BaseException)):
+                raise TypeError(f"retry_on takes exception classes, not {kind!r}")
+
+    def retries_after(self, error: BaseException, attempt: int) -> bool:
+        """Whether attempt `attempt` (1 for the first) failing with `error` is run again."""
+        if isinstance(error, QueryCancelledError | QueryTimeoutError):
+            return False
+        return attempt <= self.retries and isinstance(error, self.retry_on)
+
+    def delay(self, attempt: int, jitter: Callable[[], float] = random.random) -> float:
+        """Seconds to wait after failed attempt `attempt` before the next."""
+        return float(min(self.backoff * 2 ** (attempt - 1) * (0.5 + jitter()), MAX_DELAY_S))
+
+
+NO_RETRIES = RetryPolicy()
+
+
+def reporting(
+    events: Events, context: dict[str, Any]
+) -> Callable[[int, BaseException, float], None]:
+    """What tells `events` of a retry of the execution whose event fields are `context`."""
+
+    def retrying(attempt: int, error: BaseException, delay: float) -> None:
+        fields = {"attempt": attempt, "error": repr(error), "retryIn": round(delay, 3)}
+        events.emit(RETRYING_QUERY, {**context, **fields})
+
+    return retrying
+
+
+async def attempts(
+    run: Callable[[float], Awaitable[T]],
+    policy: RetryPolicy,
+    budget: float,
+    clock: Clock,
+    retrying: Callable[[int, BaseException, float], None],
+) -> T:
+    """`run(seconds left)` until it succeeds, or fails past the policy or the `budget` of
+    seconds all attempts share; `retrying(attempt, error, delay)` is told of each retry."""
+    started, attempt = clock.now_ms(), 1
+    while True:
+        try:
+            return await run(budget - (clock.now_ms() - started) / 1000)
+        except Exception as exc:
+            if not policy.retries_after(exc, attempt):
+                raise
+            delay = policy.delay(attempt)
+            if (clock.now_ms() - started) / 1000 + delay >= budget:
+                raise
+            retrying(attempt, exc, delay)
+            await clock.sleep(delay)
+            attempt += 1

@@ -1,0 +1,92 @@
+"""A handler registered with `retries` runs again after a transient failure: up to its
+limit, for its `retry_on` errors only, within the query's execution timeout, and each
+retry is an event with its attempt; cancelled and timed-out queries never run again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from queryqueue import MemoryQueueStore, QueryCancelledError, QueryError, QueueApp
+from queryqueue.engine.errors import QueryTimeoutError
+from queryqueue.engine.retrying import RetryPolicy
+
+
+def _app(fails: int, *, error: type[Exception] = ConnectionError, **options: Any) -> QueueApp:
+    """An app whose handler `flaky` fails `fails` times with `error`, then answers."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    app = QueueApp("retries", logger=lambda message, fields: events.append((message, fields)))
+    app.state.events, app.state.calls = events, []
+
+    @app.handler("flaky", **options)
+    async def flaky(query: Any) -> Any:
+        app.state.calls.append(query)
+        if len(app.state.calls) <= fails:
+            raise error(f"attempt {len(app.state.calls)} failed")
+        return {"attempts": len(app.state.calls)}
+
+    return app
+
+
+def _retries(app: QueueApp) -> list[int]:
+    return [f["attempt"] for message, f in app.state.events if message == "Retrying query"]
+
+
+async def test_a_transient_failure_is_run_again_until_it_answers() -> None:
+    app = _app(2, retries=3, retry_on=(ConnectionError,), backoff=0.01)
+    queue = app.make_queue(MemoryQueueStore())
+    try:
+        assert await queue.run("flaky", "k", {"n": 1}) == {"attempts": 3}
+    finally:
+        await queue.close(grace=0)
+    assert _retries(app) == [1, 2]
+
+
+async def test_past_its_retries_the_last_error_is_the_querys() -> None:
+    app = _app(5, retries=2, backoff=0.01)
+    queue = app.make_queue(MemoryQueueStore())
+    try:
+        with pytest.raises(QueryError, match="attempt 3 failed"):
+            await queue.run("flaky", "k", {})
+    finally:
+        await queue.close(grace=0)
+    assert len(app.state.calls) == 3 and _retries(app) == [1, 2]
+
+
+async def test_an_error_its_policy_does_not_name_is_not_retried() -> None:
+    app = _app(1, error=ValueError, retries=3, retry_on=(ConnectionError,), backoff=0.01)
+    queue = app.make_queue(MemoryQueueStore())
+    try:
+        with pytest.raises(QueryError, match="attempt 1 failed"):
+            await queue.run("flaky", "k", {})
+    finally:
+        await queue.close(grace=0)
+    assert len(app.state.calls) == 1 and _retries(app) == []
+
+
+async def test_no_retry_starts_past_the_execution_timeout() -> None:
+    """A first retry would wait at least half its 2 s backoff: past the 0.5 s the query
+    has in all, so the first failure is the query's."""
+    app = _app(1, retries=3, backoff=2.0)
+    queue = app.make_queue(MemoryQueueStore(), execution_timeout=0.5)
+    try:
+        with pytest.raises(QueryError, match="attempt 1 failed"):
+            await queue.run("flaky", "k", {})
+    finally:
+        await queue.close(grace=0)
+    assert len(app.state.calls) == 1
+
+
+def test_cancelled_and_timed_out_queries_never_run_again_and_bad_policies_are_refused() -> None:
+    policy = RetryPolicy(retries=5)
+    assert policy.retries_after(ConnectionError(), 1) and not policy.retries_after(OSError(), 6)
+    assert not policy.retries_after(QueryCancelledError("cancelled"), 1)
+    assert not policy.retries_after(QueryTimeoutError("timed out"), 1)
+    assert 0.5 <= RetryPolicy(backoff=1.0).delay(1) <= 1.5
+    assert RetryPolicy(backoff=1.0).delay(3, jitter=lambda: 0.5) == 4.0
+    app = QueueApp("bad")
+    with pytest.raises(ValueError, match="retries must be a whole number"):
+        app.handler("x", retries=-1)
+    with pytest.raises(TypeError, match="retry_on takes exception classes"):
+        app.handler("x", retries=1, retry_on=("ConnectionError",))  # type: ignore[arg-type]
