@@ -25,6 +25,7 @@ class Execution:
     finished: bool = False  # the handler is done: the heartbeat loop must end
     handler_task: asyncio.Future[Any] | None = None
     side_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    timeout: float = 0.0  # seconds it has, every attempt of its handler included
 
 
 def query_of(retrieved: RetrievedQuery, codecs: Codecs) -> Any:

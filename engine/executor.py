@@ -40,7 +40,7 @@ from queryqueue.engine.loop_run import (
 from queryqueue.engine.outcome import CANCELLED_MESSAGE, encode_error
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
-from queryqueue.engine.retrying import NO_RETRIES
+from queryqueue.engine.retrying import DEFAULT_POLICY
 from queryqueue.engine.threads import HandlerThreads, ThreadedCalls
 
 if TYPE_CHECKING:
@@ -137,14 +137,13 @@ class Executor:
             asyncio.ensure_future(self._heartbeat(execution, context)) if watch is None else None
         )
         started = time.monotonic()
+        policy = self.queue.handler_policies.get(str(query.get("queryHandler")), DEFAULT_POLICY)
+        execution.timeout = policy.budget(self.queue.execution_timeout)
         try:
             result = await retrying.attempts(
-                functools.partial(self._run_handler, execution, watch),
-                self.queue.retry_policies.get(str(query.get("queryHandler")), NO_RETRIES),
-                self.queue.execution_timeout,
-                self.queue.clock,
-                retrying.reporting(self.queue.events, context),
-            )
+                functools.partial(self._run_handler, execution, watch), policy, execution.timeout,
+                self.queue.clock, retrying.reporting(self.queue.events, context),
+            )  # fmt: skip
             self.queue.events.emit(
                 ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
             )
@@ -247,7 +246,7 @@ class Executor:
             value = await wait_within(execution.handler_task, seconds)
         except TimeoutError:
             execution.handler_task.cancel()
-            raise _timeout_error(self.queue.execution_timeout) from None
+            raise _timeout_error(execution.timeout) from None
         except asyncio.CancelledError:
             if execution.cancelled and execution.handler_task.cancelled():
                 raise QueryCancelledError(CANCELLED_MESSAGE) from None
@@ -330,7 +329,7 @@ class Executor:
             ev.CANCELLING_TIMEOUT if timed_out else ev.CANCELLING_EXTERNAL, context
         )
         execution.stopped = (
-            _timeout_error(self.queue.execution_timeout)
+            _timeout_error(execution.timeout)
             if timed_out
             else QueryCancelledError(CANCELLED_MESSAGE)
         )

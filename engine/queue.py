@@ -41,7 +41,7 @@ from queryqueue.engine.reconcile import Reconciler
 from queryqueue.engine.requests import Request, RequestSide
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
-from queryqueue.engine.retrying import RetryPolicy
+from queryqueue.engine.retrying import HandlerPolicy
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.stream import QueryStream, Streams
 
@@ -85,7 +85,7 @@ class QueryQueue:
         fast_track: bool = True,
         reconcile: bool = True,
         codecs: Codecs | None = None,
-        retry_policies: Mapping[str, RetryPolicy] | None = None,
+        handler_policies: Mapping[str, HandlerPolicy] | None = None,
     ) -> None:
         v.check_queue_options(
             concurrency=concurrency,
@@ -109,7 +109,7 @@ class QueryQueue:
         self.reconcile = reconcile  # False: a supervisor reconciles for it (its own streams aside)
         self.clock: Clock = clock or SystemClock()
         self.codecs = codecs or Codecs()  # results' types, both ways
-        self.retry_policies = dict(retry_policies or {})  # by handler: runs again on failure
+        self.handler_policies = dict(handler_policies or {})  # by handler: retries, timeout
         self.events = Events(logger)
         self.driver: QueueDriver = (
             LocalQueueDriver(driver) if driver is None or isinstance(driver, QueueStore) else driver

@@ -1,4 +1,5 @@
-"""Running a query's handler again after a transient failure: a handler's `RetryPolicy`.
+"""A handler's own bounds: its execution timeout, and running it again after a transient
+failure (`HandlerPolicy`).
 
 A warehouse that drops a connection or answers "try again" fails a query no caller should
 see fail. A handler registered with `retries=N` runs again, up to N more times, when it
@@ -6,7 +7,9 @@ raises one of its `retry_on` exceptions: after `backoff` seconds, doubled each t
 spread by jitter (half to one and a half of it), so that a source that failed many
 queries at once is not asked again by all of them at the same moment. All its attempts
 share the query's execution timeout: a retry starts only with time left, and runs with
-what is left. A cancelled or timed-out query is never run again.
+what is left. A cancelled or timed-out query is never run again. A handler's own
+`execution_timeout` shortens the queue's for its queries (never lengthens it: the
+supervisor holds its workers to the queue's).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class HandlerPolicy:
     """How a handler's failures are retried: `retries` more attempts at most, for the
-    exceptions of `retry_on`, `backoff` seconds before the first retry (doubled after)."""
+    exceptions of `retry_on`, `backoff` seconds before the first retry (doubled after);
+    and how long its queries may run, attempts included (None: the queue's timeout)."""
 
     retries: int = 0
     retry_on: tuple[type[BaseException], ...] = (Exception,)
     backoff: float = 0.5
+    execution_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
@@ -41,6 +46,15 @@ class RetryPolicy:
         for kind in self.retry_on:
             if not (isinstance(kind, type) and issubclass(kind, BaseException)):
                 raise TypeError(f"retry_on takes exception classes, not {kind!r}")
+        if self.execution_timeout is not None and not self.execution_timeout > 0:
+            raise ValueError(
+                f"execution_timeout must be positive seconds, not {self.execution_timeout!r}"
+            )
+
+    def budget(self, queue_timeout: float) -> float:
+        """Seconds its queries have, all attempts: its own timeout within the queue's."""
+        own = self.execution_timeout
+        return queue_timeout if own is None else min(own, queue_timeout)
 
     def retries_after(self, error: BaseException, attempt: int) -> bool:
         """Whether attempt `attempt` (1 for the first) failing with `error` is run again."""
@@ -53,7 +67,7 @@ class RetryPolicy:
         return float(min(self.backoff * 2 ** (attempt - 1) * (0.5 + jitter()), MAX_DELAY_S))
 
 
-NO_RETRIES = RetryPolicy()
+DEFAULT_POLICY = HandlerPolicy()
 
 
 def reporting(
@@ -70,7 +84,7 @@ def reporting(
 
 async def attempts(
     run: Callable[[float], Awaitable[T]],
-    policy: RetryPolicy,
+    policy: HandlerPolicy,
     budget: float,
     clock: Clock,
     retrying: Callable[[int, BaseException, float], None],

@@ -37,7 +37,7 @@ from queryqueue.engine.handlers import (
     as_query_handler,
 )
 from queryqueue.engine.queue import QueryQueue
-from queryqueue.engine.retrying import RetryPolicy
+from queryqueue.engine.retrying import HandlerPolicy
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.sync import SyncQueryQueue
 from queryqueue.hooks import Hook, WorkerHooks, checked
@@ -94,7 +94,7 @@ class QueueApp:
         # Results' types, both ways: workers encode and callers decode with the same ones.
         self.codecs = Codecs()
         self.query_handlers: dict[str, Handler] = {}
-        self.retry_policies: dict[str, RetryPolicy] = {}
+        self.handler_policies: dict[str, HandlerPolicy] = {}
         self.cancel_handlers: dict[str, CancelHandler] = {}
         self.stream_handler: StreamHandler | None = None
         # One client queue per process and event loop, made on first use. Weak keys: a
@@ -114,20 +114,22 @@ class QueueApp:
         retries: int = 0,
         retry_on: tuple[type[BaseException], ...] = (Exception,),
         backoff: float = 0.5,
+        execution_timeout: float | None = None,
     ) -> Callable[[H], H]:
         """Register the query handler `name`: `(query)` or `(query, set_cancel_handler)`,
         sync or async; its return value is the query's result. Any other signature is a
         TypeError here (and mypy's error where the decorator is applied). `retries`: run
         it again, up to that many times, when it raises one of `retry_on` (transient
         errors of a data source), `backoff` seconds later, doubled each time, with jitter;
-        all attempts share the queue's execution timeout."""
-        policy = RetryPolicy(retries, retry_on, backoff)
+        all attempts share the execution timeout: the queue's, or `execution_timeout` where
+        it is shorter."""
+        policy = HandlerPolicy(retries, retry_on, backoff, execution_timeout)
 
         def register(function: H) -> H:
             as_query_handler(name, function)  # its shape checked now, not at its first query
             self.query_handlers[name] = function
-            if retries:
-                self.retry_policies[name] = policy
+            if retries or execution_timeout is not None:
+                self.handler_policies[name] = policy
             return function
 
         return register
@@ -189,7 +191,7 @@ class QueueApp:
             driver=driver,
             send_process_message_fn=send_process_message_fn,
             codecs=self.codecs,
-            retry_policies=self.retry_policies,
+            handler_policies=self.handler_policies,
             **options,
         )
 

@@ -4,13 +4,14 @@ retry is an event with its attempt; cancelled and timed-out queries never run ag
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
 from queryqueue import MemoryQueueStore, QueryCancelledError, QueryError, QueueApp
 from queryqueue.engine.errors import QueryTimeoutError
-from queryqueue.engine.retrying import RetryPolicy
+from queryqueue.engine.retrying import HandlerPolicy
 
 
 def _app(fails: int, *, error: type[Exception] = ConnectionError, **options: Any) -> QueueApp:
@@ -79,14 +80,40 @@ async def test_no_retry_starts_past_the_execution_timeout() -> None:
 
 
 def test_cancelled_and_timed_out_queries_never_run_again_and_bad_policies_are_refused() -> None:
-    policy = RetryPolicy(retries=5)
+    policy = HandlerPolicy(retries=5)
     assert policy.retries_after(ConnectionError(), 1) and not policy.retries_after(OSError(), 6)
     assert not policy.retries_after(QueryCancelledError("cancelled"), 1)
     assert not policy.retries_after(QueryTimeoutError("timed out"), 1)
-    assert 0.5 <= RetryPolicy(backoff=1.0).delay(1) <= 1.5
-    assert RetryPolicy(backoff=1.0).delay(3, jitter=lambda: 0.5) == 4.0
+    assert 0.5 <= HandlerPolicy(backoff=1.0).delay(1) <= 1.5
+    assert HandlerPolicy(backoff=1.0).delay(3, jitter=lambda: 0.5) == 4.0
     app = QueueApp("bad")
     with pytest.raises(ValueError, match="retries must be a whole number"):
         app.handler("x", retries=-1)
     with pytest.raises(TypeError, match="retry_on takes exception classes"):
         app.handler("x", retries=1, retry_on=("ConnectionError",))  # type: ignore[arg-type]
+
+
+async def test_a_handlers_own_execution_timeout_bounds_its_queries_and_names_itself() -> None:
+    """A handler's `execution_timeout` (0.2 s) within the queue's (600 s): its slow query
+    fails at its own, with the message naming it; another handler keeps the queue's."""
+    app = QueueApp("timeouts")
+
+    @app.handler("quick", execution_timeout=0.2)
+    async def quick(query: Any) -> str:
+        await asyncio.sleep(60)
+        return "never"
+
+    @app.handler("other")
+    async def other(query: Any) -> str:
+        await asyncio.sleep(0.3)
+        return "done"
+
+    queue = app.make_queue(MemoryQueueStore())
+    try:
+        with pytest.raises(QueryTimeoutError, match=r"timeout after 0\.2 s"):
+            await queue.run("quick", "k", {})
+        assert await queue.run("other", "k2", {}) == "done"
+    finally:
+        await queue.close(grace=0)
+    with pytest.raises(ValueError, match="execution_timeout must be positive seconds"):
+        app.handler("bad", execution_timeout=0)
