@@ -151,8 +151,8 @@ class RequestSide:
         }
         if types is not None:
             query_def["queryTypes"] = types
-        try:
-            orjson.dumps(query_def)
+        try:  # the query and its key are JSON now; the stage key is checked here
+            orjson.dumps(request.stage_query_key)
         except TypeError as exc:
             raise InvalidCommandError(f"the stage query key must be JSON: {exc}") from None
         is_stream = request.query_handler == STREAM_HANDLER

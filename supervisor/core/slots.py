@@ -13,7 +13,6 @@ query still ran (`next`).
 from __future__ import annotations
 
 import enum
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,31 +207,15 @@ class Slots:
         return sends
 
     def _assign_by_load(self) -> list[Send]:
-        if not self.backlog:
-            return []
-        if len(self.backlog) == 1:  # a hand-off, a freed lane: one pass finds its lane
+        """Each job of the backlog to the least loaded process's free lane, one pass a job
+        (a hand-off, a freed lane: usually one)."""
+        sends: list[Send] = []
+        while self.backlog:
             worker = self._least_loaded()
             if worker is None:
-                return []
-            worker.job = self.backlog.popleft()
-            return [(worker, worker.job)]
-        free: dict[int, list[Worker]] = {}
-        for worker in self.workers:
-            if worker.takes():
-                free.setdefault(id(worker.lanes), []).append(worker)
-        heap = [
-            (sum(lane.job is not None for lane in lanes[0].lanes), order, key)
-            for order, (key, lanes) in enumerate(free.items())
-        ]
-        heapq.heapify(heap)
-        sends: list[Send] = []
-        while self.backlog and heap:
-            load, order, key = heapq.heappop(heap)
-            worker = free[key].pop(0)
+                break
             worker.job = self.backlog.popleft()
             sends.append((worker, worker.job))
-            if free[key]:
-                heapq.heappush(heap, (load + 1, order, key))
         return sends
 
     def _least_loaded(self) -> Worker | None:
