@@ -30,8 +30,12 @@ app = QueueApp("pg", concurrency=32, worker_concurrency=16)
 
 @app.on_worker_start
 async def open_pool() -> None:
-    """One pool per worker process, as large as the queries it runs at once."""
-    app.state.pool = AsyncConnectionPool(DSN, min_size=1, max_size=16, open=False)
+    """One pool per worker process, as large as the queries it runs at once, its
+    connections made before the first query; reads in autocommit: no BEGIN before each
+    and no ROLLBACK as the connection goes back to the pool."""
+    app.state.pool = AsyncConnectionPool(
+        DSN, min_size=16, max_size=16, open=False, kwargs={"autocommit": True}
+    )
     await app.state.pool.open()
 
 

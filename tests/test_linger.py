@@ -55,6 +55,23 @@ def test_acks_not_due_within_half_a_batch_are_not_waited_for() -> None:
     assert until == pytest.approx(100.002)
 
 
+def test_queries_much_longer_than_a_batch_are_never_waited_for() -> None:
+    # Many long queries handed off together (a worker running 32 I/O-bound queries at
+    # once) all come back within the next batch: a short-query rule would wait for all of
+    # them, and the first to end would start its next only with the last.
+    batch = 0.004
+    long_query = Linger(share=1.0)
+    long_query.acked(handed_at=10.0, now=10.1)
+    long_query.ran(batch)
+    running = [(i, 99.9) for i in range(32)]
+    assert long_query.awaited(running, set(), 100.0) == (set(), 100.0)
+    # Within four batches it is a short query, waited for as before.
+    short = Linger(share=1.0)
+    short.acked(handed_at=10.0, now=10.0 + 3.5 * batch)
+    short.ran(batch)
+    assert short.awaited([(1, 100.0 - 3.5 * batch + 0.001)], set(), 100.0)[0] == {1}
+
+
 def test_on_the_loop_it_waits_up_to_a_whole_batch() -> None:
     # Due past half a batch (a lane would not wait), within a whole one (the loop's share).
     loop = Linger(share=1.0)

@@ -42,6 +42,12 @@ _NEW = 0.2
 # Never longer than this, whatever the averages say: after a database outage a batch
 # took seconds, and half of that average would hold the next batches as long.
 MAX_WAIT_S = 0.05
+# Only queries that come back within this many batches of their hand-off are waited for.
+# A longer query's ACK comes when its query ends, not in step with the batches: waiting
+# for it holds back the ACKs that came before it, and workers whose queries end together
+# (a worker running many I/O-bound queries at once) start their next ones together again,
+# round after round, each round's last ACK setting the pace.
+SHORT_TURNAROUND_BATCHES = 4
 
 
 @dataclass
@@ -72,6 +78,8 @@ class Linger:
         """The queries (of `running`: id, handed at) whose ACK the next batch waits for,
         none of `coming` (ACKs already queued), and until when at most."""
         if self.turnaround is None or self.batch is None:
+            return set(), now
+        if self.turnaround > SHORT_TURNAROUND_BATCHES * self.batch:
             return set(), now
         limit = now + min(self.batch * self.share, MAX_WAIT_S)
         waits: set[QueueId] = set()
