@@ -28,6 +28,8 @@ class Stats:
         self.batches = 0
         self.batched_commands = 0
         self.throttled = 0  # times a connection was not read until its client caught up
+        self.purged = 0  # expired results the idle sweeps deleted
+        self.purge_sweeps = 0  # sweeps that found any to delete
 
     def record(self, kind: str, seconds: float, ok: bool) -> None:
         entry = self.kinds.get(kind)
@@ -36,6 +38,11 @@ class Stats:
         entry.count += 1
         entry.errors += 0 if ok else 1
         entry.latencies.append(seconds * 1000)
+
+    def swept(self, purged: int) -> None:
+        if purged:
+            self.purged += purged
+            self.purge_sweeps += 1
 
     def snapshot(self) -> dict[str, Any]:
         uptime = time.monotonic() - self.started
@@ -47,6 +54,7 @@ class Stats:
             "batches": self.batches,
             "mean_batch": round(self.batched_commands / self.batches, 2) if self.batches else 0.0,
             "throttled": self.throttled,
+            "purged": {"results": self.purged, "sweeps": self.purge_sweeps},
             "commands": {
                 name: {
                     "count": k.count,

@@ -19,6 +19,8 @@ import pytest
 
 from queryqueue import AuthenticationError, MemoryQueueStore, SocketQueueDriver, SqliteQueueStore
 from queryqueue.driver_socket.protocol import read_frame
+from queryqueue.engine.clock import ManualClock
+from queryqueue.engine.listing import PURGE_BATCH
 from queryqueue.supervisor.server import Limits, QueueServer
 from queryqueue.supervisor.settings import Settings
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
@@ -309,6 +311,37 @@ async def test_an_idle_queue_purges_its_expired_results_on_a_timer(
         assert store.describe()["results_held"] == 1
         # No ACK comes to purge it: the server's timer does.
         await wait_until(lambda: store.describe()["results_held"] == 0, what="purged")
+    finally:
+        await server.stop()
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_one_idle_sweep_purges_every_expired_result_batch_after_batch(
+    workdir: Path, tmp_path: Path, kind: str
+) -> None:
+    clock = ManualClock()
+    store = (
+        MemoryQueueStore(clock=clock, result_ttl_ms=50)
+        if kind == "memory"
+        else SqliteQueueStore(tmp_path / "q.db", clock=clock, result_ttl_ms=50)
+    )
+    expired = 10 * PURGE_BATCH + 7
+    for i in range(expired):
+        store.ack(store.add(f"p:k{i}", "{}").id, '{"result": 1}')
+    assert store.describe()["results_held"] == expired
+    clock.advance(51)  # all expire at once, as a busy hour's results do an hour later
+    server = QueueServer(store, workdir / "s.sock", settings=Settings(purge_interval=0.2))
+    await server.start()
+    try:
+
+        def purged() -> dict[str, int]:
+            counted: dict[str, int] = server.stats.snapshot()["purged"]
+            return counted
+
+        await wait_until(lambda: purged()["results"] >= expired, what="purged")
+        # All of them in the first sweep that found any, not a batch a sweep.
+        assert purged() == {"results": expired, "sweeps": 1}
     finally:
         await server.stop()
         store.close()
