@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from queryqueue.driver_postgres.hosts import MIGRATION as HOSTS_MIGRATION
 from queryqueue.engine.errors import SchemaVersionError
 
 PENDING = 0
@@ -100,6 +101,8 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             """,
         ],
     ),
+    # Which host's store activated an item, and each host's lease on its items (hosts.py).
+    (3, HOSTS_MIGRATION),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -48,6 +48,7 @@ from queryqueue.driver_postgres.batch import (
     Known,
     Redo,
 )
+from queryqueue.driver_postgres.hosts import lease_of
 from queryqueue.driver_postgres.lean import Statements
 from queryqueue.driver_postgres.pipelined import RECONNECT_BACKOFF, PipelinedBatches
 from queryqueue.driver_postgres.schema import check_schema, migrate
@@ -94,6 +95,7 @@ class PostgresQueueStore(PipelinedBatches):
         idle_in_transaction_timeout: float = 60.0,
         network_timeout: float | None = None,
         lanes: int = 4,
+        host_timeout: float | None = None,
     ) -> None:
         super().__init__(clock=clock, result_ttl_ms=result_ttl_ms)
         self.lanes = lanes
@@ -114,6 +116,9 @@ class PostgresQueueStore(PipelinedBatches):
         self.safety_recheck_ms = safety_recheck_ms
         self.connect_timeout = connect_timeout
         self._prepare_listening(schema)
+        # A supervisor's store holds a lease on the items it activates (hosts.py).
+        self.host_timeout = host_timeout
+        self.lease = lease_of(self.origin, host_timeout)
         self.reconnects = 0
         # A connection per thread: each lane (and a caller's own thread) has its own.
         self._local = threading.local()
@@ -192,7 +197,7 @@ class PostgresQueueStore(PipelinedBatches):
         try:
             with self._watchdog.watching(conn), conn.transaction():
                 PostgresTransaction(
-                    conn, self._notifying(), self.schema, origin=self.origin
+                    conn, self._notifying(), self.schema, origin=self.origin, lease=self.lease
                 ).refresh_active_heartbeats(self.clock.now_ms())
             self._refreshed_at = now
         except psycopg.Error:
@@ -302,6 +307,7 @@ class PostgresQueueStore(PipelinedBatches):
             head=batch.head,
             executor=batch.lean,
             batch_ahead=batch.ahead,
+            lease=self.lease,
         )
         try:
             with self._watchdog.watching(conn):
@@ -367,7 +373,9 @@ class PostgresQueueStore(PipelinedBatches):
         ending = Ending()
         try:
             with self._watchdog.watching(conn), self._ended(conn, ending), conn.transaction():
-                tx = PostgresTransaction(conn, self._notifying(), self.schema, origin=self.origin)
+                tx = PostgresTransaction(
+                    conn, self._notifying(), self.schema, origin=self.origin, lease=self.lease
+                )
                 yield tx
                 # Leaving the block sends COMMIT.
                 ending.commit_next(conn, tx.wrote, answered_xid(tx.known.flush(conn)))
@@ -444,7 +452,20 @@ class PostgresQueueStore(PipelinedBatches):
 
         return self._again_if_disconnected(attempt)
 
+    def beat_host(self) -> None:
+        """Renew this host's lease on the items it runs (hosts.py), in a transaction of its
+        own (not a batch's: a prefix's lock never holds it up)."""
+        if self.lease is not None:
+            conn = self.connection()
+            with self._watchdog.watching(conn), conn.transaction():
+                self.lease.beat(conn, self.clock.now_ms())
+
     def close(self) -> None:
+        if self.lease is not None and not self._closed:
+            with contextlib.suppress(psycopg.Error, StoreError):
+                conn = self.connection()
+                with self._watchdog.watching(conn), conn.transaction():
+                    self.lease.leave(conn)
         self._closed = True
         self._stop_thread()
         self._watchdog.close()  # every connection of every thread

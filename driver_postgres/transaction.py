@@ -12,6 +12,7 @@ import orjson
 import psycopg
 
 from queryqueue.driver_postgres.batch import AddReads, Head, Known, send_add_reads
+from queryqueue.driver_postgres.hosts import HostLease, owner_of
 from queryqueue.driver_postgres.lean import Executor, Rows
 from queryqueue.driver_postgres.results import ResultRows
 from queryqueue.driver_postgres.schema import ACTIVE, PENDING
@@ -54,8 +55,10 @@ class PostgresTransaction(ResultRows):
         head: Head | None = None,
         executor: Executor | None = None,
         batch_ahead: dict[str, AddReads] | None = None,
+        lease: HostLease | None = None,
     ) -> None:
         self._conn = conn
+        self._lease = lease  # this host's, whose owner its activations name (hosts.py)
         # Where its statements go: the connection, or a pipelined batch's Lean.
         self._c: Executor = executor if executor is not None else conn
         self._pipelined = pipelined
@@ -263,8 +266,8 @@ class PostgresTransaction(ResultRows):
         self._settle()
         self._write_item(
             item,
-            "UPDATE items SET status = %s, heartbeat = %s, extra = %s WHERE id = %s",
-            (ACTIVE, now, extra, item.id),
+            "UPDATE items SET status = %s, heartbeat = %s, extra = %s, owner = %s WHERE id = %s",
+            (ACTIVE, now, extra, owner_of(self._lease), item.id),
             pending=False,
         )
         self._count(item.prefix, -1, 1)
@@ -276,7 +279,8 @@ class PostgresTransaction(ResultRows):
         if self._head is not None:
             self._head.drop()  # a pending item more: read the head again
         self._write(
-            "UPDATE items SET status = %s, heartbeat = %s WHERE id = %s", (PENDING, now, item.id)
+            "UPDATE items SET status = %s, heartbeat = %s, owner = NULL WHERE id = %s",
+            (PENDING, now, item.id),
         )
         self._count(item.prefix, 1, -1)
         self.known.removed(item)
@@ -367,10 +371,16 @@ class PostgresTransaction(ResultRows):
         return [item_from_row(row) for row in rows]
 
     def stalled_items(self, prefix: str, now: int, heartbeat_timeout_ms: int) -> list[Item]:
+        """Active items whose heartbeat is older than the timeout, or whose host's lease ran
+        out (hosts.py)."""
+        stalled, params = "coalesce(heartbeat, created) < %s", (now - heartbeat_timeout_ms,)
+        if self._lease is not None:
+            leased, more = self._lease.stalled_clause(now)
+            stalled, params = f"({stalled} OR {leased})", params + more
         rows = self._all(
             f"SELECT {ITEM_COLUMNS} FROM items WHERE prefix = %s AND status = %s"
-            " AND coalesce(heartbeat, created) < %s ORDER BY id",
-            (prefix, ACTIVE, now - heartbeat_timeout_ms),
+            f" AND {stalled} ORDER BY id",
+            (prefix, ACTIVE, *params),
         )
         return [item_from_row(row) for row in rows]
 
@@ -388,8 +398,13 @@ class PostgresTransaction(ResultRows):
         return found, int(row[0]) if row else 0
 
     def refresh_active_heartbeats(self, now: int) -> int:
+        """This host's active items (and those no host owns): another's that died while
+        this one was away still go when its lease or their heartbeats say."""
         self._foreseen.clear()
-        cursor = self._write("UPDATE items SET heartbeat = %s WHERE status = %s", (now, ACTIVE))
+        cursor = self._write(
+            "UPDATE items SET heartbeat = %s WHERE status = %s AND (owner IS NULL OR owner = %s)",
+            (now, ACTIVE, owner_of(self._lease)),
+        )
         return cursor.rowcount
 
     def truncate(self) -> None:

@@ -47,6 +47,15 @@ class MaintenanceCommands(ABC):
             self._after_commit(self.slot_watchers.publish)  # retrievable again
         return True
 
+    # Shared by hosts: how long a host's lease on the items it runs outlives its last
+    # renewal (`beat_host`); after it, other hosts reap them. None: one host owns the store.
+    host_timeout: float | None = None
+
+    def beat_host(self) -> None:
+        """Renew this host's lease on the items it runs, where several hosts share the
+        store (PostgreSQL); nothing where one host owns it."""
+        return None
+
     @queue_command(served=False)
     def refresh_active_heartbeats(self) -> int:
         """Give every active item a fresh heartbeat (not a QUEUE command), for a store back

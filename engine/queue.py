@@ -37,7 +37,7 @@ from queryqueue.engine.handlers import (
 )
 from queryqueue.engine.hashing import hash_query_key, js_number
 from queryqueue.engine.outcome import encode_cancelled
-from queryqueue.engine.reconcile import Reconciler
+from queryqueue.engine.reconcile import Reconciler, process_query
 from queryqueue.engine.requests import Request, RequestSide
 from queryqueue.engine.responses import QueueId
 from queryqueue.engine.retrieved import RetrievedQuery
@@ -61,8 +61,10 @@ class QueryQueue:
     """Cube's QueryQueue: identical queries in flight run once, at most `concurrency` at
     once, in priority order, with callers long-polling for the result (`run`)."""
 
-    # Set by a supervisor's pool: the ids it holds for live workers, which are never stalled.
+    # Set by a supervisor's pool: the ids it holds for live workers (never stalled), and
+    # how many more its workers can start now (all its reconcile retrieves).
     held_here: Callable[[QueueId], bool] | None = None
+    room_here: Callable[[], int] | None = None
 
     def __init__(
         self,
@@ -253,48 +255,7 @@ class QueryQueue:
 
     async def process_query(self, query_key_hash: str, queue_id: QueueId | None = None) -> None:
         """Retrieve the item and hand it off. Never executes it: the hand-off returns first."""
-        try:
-            got = await self.connection.retrieve_for_processing(query_key_hash)
-            activated = query_key_hash in got.active_keys
-            if got.query is None or got.queue_id is None or not activated:
-                self.events.emit(
-                    ev.SKIP_PROCESSING,
-                    {
-                        "queueId": queue_id,
-                        "queryKey": query_key_hash,
-                        "queuePrefix": self.prefix,
-                        "activeKeys": list(got.active_keys),
-                        "activated": activated,
-                        "queryExists": got.query is not None,
-                    },
-                )
-                await self.connection.free_processing_lock(query_key_hash, queue_id)
-                return
-            retrieved = RetrievedQuery(
-                query_key_hash, got.queue_id, got.queue_id, got.queue_size, got.query
-            )
-            try:
-                await self.send_process_message_fn(retrieved)
-            except Exception as exc:
-                self.events.emit(
-                    ev.ERROR_PROCESSING_MESSAGE,
-                    {
-                        "queueId": got.queue_id,
-                        "queryKey": got.query.get("queryKey"),
-                        "queuePrefix": self.prefix,
-                        "error": repr(exc),
-                    },
-                )
-        except Exception as exc:
-            self.events.emit(
-                ev.QUEUE_STORAGE_ERROR,
-                {
-                    "queueId": queue_id,
-                    "queryKey": query_key_hash,
-                    "queuePrefix": self.prefix,
-                    "error": repr(exc),
-                },
-            )
+        await process_query(self, query_key_hash, queue_id)
 
     async def execute_query(self, retrieved: RetrievedQuery) -> bool:
         """Run a retrieved item to its ACK, then reconcile (`Executor.execute_query`)."""

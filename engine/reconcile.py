@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from queryqueue.engine import events as ev
 from queryqueue.engine.hashing import may_run_in
 from queryqueue.engine.responses import QueueId
+from queryqueue.engine.retrieved import RetrievedQuery
 
 if TYPE_CHECKING:
     from queryqueue.engine.queue import QueryQueue
@@ -86,6 +87,8 @@ class Reconciler:
         )
         # The store hides other processes' persistent items already; the suffix check keeps
         # the design's rule explicit should a driver not.
+        if queue.room_here is not None:
+            to_process_limit = min(to_process_limit, queue.room_here())
         mine = [(h, q) for h, q in to_process if may_run_in(h, queue.process_uid)][
             :to_process_limit
         ]
@@ -111,3 +114,50 @@ class Reconciler:
             },
         )
         await queue.send_cancel_message_fn(query_def, queue_id)
+
+
+async def process_query(queue: QueryQueue, query_key_hash: str, queue_id: QueueId | None) -> None:
+    """Cube's processQuery: retrieve the item and hand it off. Never executes it: the
+    hand-off returns first."""
+    try:
+        got = await queue.connection.retrieve_for_processing(query_key_hash)
+        activated = query_key_hash in got.active_keys
+        if got.query is None or got.queue_id is None or not activated:
+            queue.events.emit(
+                ev.SKIP_PROCESSING,
+                {
+                    "queueId": queue_id,
+                    "queryKey": query_key_hash,
+                    "queuePrefix": queue.prefix,
+                    "activeKeys": list(got.active_keys),
+                    "activated": activated,
+                    "queryExists": got.query is not None,
+                },
+            )
+            await queue.connection.free_processing_lock(query_key_hash, queue_id)
+            return
+        retrieved = RetrievedQuery(
+            query_key_hash, got.queue_id, got.queue_id, got.queue_size, got.query
+        )
+        try:
+            await queue.send_process_message_fn(retrieved)
+        except Exception as exc:
+            queue.events.emit(
+                ev.ERROR_PROCESSING_MESSAGE,
+                {
+                    "queueId": got.queue_id,
+                    "queryKey": got.query.get("queryKey"),
+                    "queuePrefix": queue.prefix,
+                    "error": repr(exc),
+                },
+            )
+    except Exception as exc:
+        queue.events.emit(
+            ev.QUEUE_STORAGE_ERROR,
+            {
+                "queueId": queue_id,
+                "queryKey": query_key_hash,
+                "queuePrefix": queue.prefix,
+                "error": repr(exc),
+            },
+        )

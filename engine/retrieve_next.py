@@ -37,6 +37,7 @@ class RetrieveNext(ABC):
         process_id: str,
         start_query_time: int | None = None,
         min_priority: int | None = None,
+        limit: int | None = None,
     ) -> list[NextRetrieved]:
         """The reconcile's PENDING then RETRIEVE per slot, as one command (not a QUEUE
         command: a supervisor runs it for its pool in the batch that freed a slot or added
@@ -44,13 +45,16 @@ class RetrieveNext(ABC):
         priority desc, then queue id), each item moved to active in that order while the
         prefix has fewer than `concurrency` active, skipping the persistent keys of other
         processes (`may_run_in`); `start_query_time` as RETRIEVE's. A prefix with no slot or
-        nothing pending costs one read. `min_priority`: none below it (the head stops there)."""
+        nothing pending costs one read. `min_priority`: none below it (the head stops there).
+        `limit`: at most this many (what the caller can start now), whatever the budget."""
         v.check_prefix(prefix)
         v.check_concurrency(concurrency)
         v.check_process_id(process_id)
         v.check_non_negative_ms("start_query_time", start_query_time, nullable=True)
         if min_priority is not None:
             v.check_priority(min_priority)
+        if limit is not None:
+            v.check_count("limit", limit)
         now = self.clock.now_ms()
         found: list[NextRetrieved] = []
         with self._atomic() as tx:
@@ -61,7 +65,7 @@ class RetrieveNext(ABC):
                 prefix, "pending", process_id=process_id, with_payload=True, limit=concurrency
             )
             for item in head:
-                if active >= concurrency:
+                if active >= concurrency or (limit is not None and len(found) >= limit):
                     break
                 if min_priority is not None and item.priority < min_priority:
                     break

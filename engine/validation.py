@@ -150,6 +150,13 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def check_count(name: str, value: Any) -> int:
+    """A count of items: an integer, 0 or more."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidCommandError(f"{name} must be an integer, 0 or more, got {value!r}")
+    return value
+
+
 def check_concurrency(concurrency: Any) -> int:
     if not isinstance(concurrency, int) or isinstance(concurrency, bool):
         raise InvalidCommandError("concurrency must be an integer")

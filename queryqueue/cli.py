@@ -99,7 +99,11 @@ def _supervisor(
     from queryqueue.supervisor.server import Limits
 
     http, _ = _checked(parser, args)
-    sizes = [_pool_size(app, args.workers, args.worker_concurrency) for app in args.app or []]
+    shared = args.store is not None  # PostgreSQL: hosts share the budget by their workers
+    sizes = [
+        _pool_size(app, args.workers, args.worker_concurrency, shared=shared)
+        for app in args.app or []
+    ]
     if 0 in sizes:
         return 2
     return run(
@@ -115,6 +119,7 @@ def _supervisor(
             "statement_timeout": args.pg_statement_timeout,
             "lock_timeout": args.pg_lock_timeout,
             "network_timeout": args.pg_network_timeout,
+            "host_timeout": args.pg_host_timeout,
             "connections": args.pg_connections,
         },
         limits=Limits(
@@ -198,10 +203,13 @@ def _store_url(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
     return url
 
 
-def _pool_size(app_ref: str, workers: int | None, worker_concurrency: int | None) -> int:
+def _pool_size(
+    app_ref: str, workers: int | None, worker_concurrency: int | None, *, shared: bool = False
+) -> int:
     """The pool's workers: enough for its queue's budget unless told (0: refused, said
     why). The app is loaded here, so that a typo is one line and not a worker's
-    traceback; a budget the workers cannot run is refused, with the arithmetic."""
+    traceback; a budget the workers cannot run is refused, with the arithmetic, unless
+    the queue is `shared` by several hosts, each running the part its workers can."""
     from queryqueue.app import AppNotFoundError, load_app
 
     try:
@@ -220,7 +228,7 @@ def _pool_size(app_ref: str, workers: int | None, worker_concurrency: int | None
     needed = -(-budget // each)
     if workers is None:
         return needed
-    if workers * each < budget:
+    if workers * each < budget and not shared:
         print(
             f"queryqueue: queue {app.prefix!r} may run {budget} queries at once"
             f" (concurrency={budget}), but --workers {workers} runs {workers} x {each} ="

@@ -158,6 +158,14 @@ def _postgres_options(sup: argparse.ArgumentParser) -> None:
         " has its connection closed and fails (default: statement timeout + 5 s)",
     )
     sup.add_argument(
+        "--pg-host-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="PostgreSQL: a host unseen this long (dead, or cut off from the database) has"
+        " its running queries reaped by the other hosts, to run again",
+    )
+    sup.add_argument(
         "--pg-connections",
         type=int,
         default=4,

@@ -126,6 +126,8 @@ class LaneRunner(Runner):
                     assert route is not None and pool is not None
                     batch = await self.linger_for_acks(route, batch, pool)
                 batch = acks_last(batch)
+                if pool is not None and route is not None:
+                    self.transaction.rooms[route] = self.transaction.room_at_dispatch(pool, batch)
                 effects: list[Callable[[], object]] = []
                 began = time.monotonic()
                 try:

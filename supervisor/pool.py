@@ -134,6 +134,7 @@ class WorkerPool:
             process_uid=f"supervisor-{os.getpid()}",
         )
         self.queue.held_here = self.alive
+        self.queue.room_here = lambda: self.room
         self.served = {self.queue.prefix: frozenset(app.query_handlers)}
         self.budgets = {self.queue.prefix: self.queue.concurrency}
         # Beat as often as the app's executors would, so no held item ever looks stalled.
@@ -192,6 +193,13 @@ class WorkerPool:
     def backlog(self) -> int:
         """Items handed to this pool that no worker has been sent yet."""
         return len(self.slots.backlog)
+
+    @property
+    def room(self) -> int:
+        """Queries this pool's workers could start now (free lanes, less its backlog): all
+        it retrieves, so that hosts sharing a queue share its budget by what each can run,
+        none holding items in its backlog while another's workers idle."""
+        return self.slots.room
 
     @property
     def full(self) -> bool:
@@ -404,12 +412,16 @@ class WorkerPool:
             assert job is not None
             self.in_background(self.takeback.give_back(job.queue_id))
         if kind in (LOST, DONE):
+            # A lane freed without an ACK's batch, which would have retrieved its next:
+            # the reconcile does (a pool retrieves only what its lanes can start).
             if ours:
                 self._moved_on(worker, self.slots.finish(worker))
+                self.poke()
                 return
             if job is None and worker.draining_since is not None:
                 # Drained: what was sent meanwhile starts now.
                 self._moved_on(worker, self.slots.drained(worker), ended=False)
+                self.poke()
                 return
             # Else about a query whose ACK was answered already: nothing left to do.
         self.send(self.slots.assign())

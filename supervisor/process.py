@@ -31,6 +31,7 @@ def open_store(
 ) -> QueueStore:
     """A SQLite file, or a postgresql:// URL (a queue several hosts share)."""
     if _is_url(db):
+        from queryqueue.driver_postgres.hosts import HOST_TIMEOUT_S
         from queryqueue.driver_postgres.store import PostgresQueueStore
 
         options = postgres_options or {}
@@ -41,6 +42,7 @@ def open_store(
             lock_timeout=options.get("lock_timeout") or 10.0,
             network_timeout=options.get("network_timeout"),
             lanes=int(options.get("connections") or 4),
+            host_timeout=options.get("host_timeout") or HOST_TIMEOUT_S,
         )
     # The server holds every answer until its commit is synced (synced.py): FULL's
     # fsyncs leave the loop, and serve many commits at once.

@@ -23,6 +23,7 @@ from queryqueue.supervisor.core.slots import Worker
 from queryqueue.supervisor.worker import worker_main
 
 if TYPE_CHECKING:
+    from queryqueue.engine.queue import QueryQueue
     from queryqueue.supervisor.pool import WorkerPool
 
 _log = logging.getLogger("queryqueue.pool")
@@ -70,6 +71,7 @@ class Processes:
         self.spawn_error = None
         self._spawn_delay = SPAWN_RETRY_FIRST
         self.pool.send(self.pool.slots.assign())
+        self.pool.poke()  # new lanes: retrieve what they can start
 
     def spawn(self) -> Worker:
         parent, child = self.context.Pipe()
@@ -84,6 +86,7 @@ class Processes:
                     self.pool.event_loop,
                     self.pool.worker_poll_s if self.pool.worker_concurrency == 1 else 0.0,
                     self.pool.worker_concurrency,
+                    _orphan_grace(self.pool.store.host_timeout, self.pool.queue),
                 ),
                 daemon=True,
             )
@@ -239,3 +242,16 @@ def _loads_afresh(app_ref: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", script, app_ref], capture_output=True, text=True, timeout=120
     )
+
+
+def _orphan_grace(host_timeout: float | None, queue: QueryQueue | None) -> float | None:
+    """How long a worker whose supervisor died goes on with its queries: to their end on
+    a store one host owns (their ACKs wait for a supervisor back on the socket); on one
+    several hosts share, half the host's lease (or of its queries' stall timeout, if
+    shorter), so that the worker is gone before another host reaps those queries and
+    runs them again: never two executions of one at once."""
+    if host_timeout is None:
+        return None
+    if queue is not None:
+        host_timeout = min(host_timeout, queue.connection.heartbeat_timeout_ms / 1000)
+    return host_timeout / 2

@@ -128,6 +128,7 @@ class QueueServer:
         self._servers: list[asyncio.Server] = []
         self._handlers: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        self._beat_failing = False
         self._socket_lock: guard.Lock | None = None
         self._stop_watching: Any = None
         self._socket_identity: tuple[int, int] | None = None
@@ -155,6 +156,7 @@ class QueueServer:
         # Coming back after a crash: executors that lived through the outage could not
         # heartbeat, so give them a full timeout to reconnect before anything is reaped.
         self.store.refresh_active_heartbeats()
+        self.store.beat_host()
         self.segments.adopt()  # large results a crashed supervisor acknowledged
         self._loop = asyncio.get_running_loop()
         if self.store.background_sync:
@@ -192,6 +194,7 @@ class QueueServer:
         while True:
             await asyncio.sleep(min(0.5, self.settings.purge_interval))
             self.segments.sweep()
+            await self._beat_host()
             for pool in self.pools:
                 # Batches retrieve for the pools themselves; their reconciles (stalled and
                 # orphaned items, anything a batch could not take) still run this often.
@@ -203,6 +206,18 @@ class QueueServer:
                     await self._purge_expired()
                 except QueueError as exc:
                     _log.warning("purging expired results failed: %s", exc)
+
+    async def _beat_host(self) -> None:
+        """This host's lease on the items it runs, renewed (a store several hosts share):
+        a beat that fails is logged once, until one succeeds again."""
+        try:
+            await self.store.run_off_loop(self.store.beat_host)
+        except QueueError as exc:
+            if not self._beat_failing:
+                _log.warning("renewing this host's lease on its items failed: %s", exc)
+            self._beat_failing = True
+        else:
+            self._beat_failing = False
 
     async def _purge_expired(self) -> None:
         """Expired results, a bounded batch a transaction, batch after batch while each

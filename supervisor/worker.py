@@ -58,6 +58,7 @@ def worker_main(
     event_loop: LoopChoice = "auto",
     poll_s: float = 0.0,
     concurrency: int = 1,
+    orphan_grace: float | None = None,
 ) -> None:
     import faulthandler
     import signal
@@ -68,6 +69,12 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     supervisor = os.getppid()
     _die_with_parent()
+    if orphan_grace is not None:
+        import threading
+
+        threading.Thread(
+            target=_leave_once_orphaned, args=(supervisor, orphan_grace), daemon=True
+        ).start()
     logs.configure(role="worker")  # the supervisor's level and format, on its stream
     loops.run(
         worker_loop(app_ref, socket_path, conn, shm_threshold, supervisor, poll_s, concurrency),
@@ -136,6 +143,22 @@ def _reported(
     if not running.cancelled() and not running.result():
         with contextlib.suppress(OSError, ValueError):
             conn.send_bytes(report(LOST, queue_id))
+
+
+def _leave_once_orphaned(supervisor: int, grace: float) -> None:
+    """On a thread of its own (a sync handler may hold the loop's): once the supervisor
+    is gone, other hosts reap what this worker runs when the supervisor's lease runs out.
+    It leaves `grace` (half the lease) after, its queries and their threads with it: never
+    two executions of one query at once (`processes._orphan_grace`)."""
+    import logging
+
+    while os.getppid() == supervisor:
+        time.sleep(0.1)
+    time.sleep(grace)
+    logging.getLogger("queryqueue.worker").warning(
+        "the supervisor is gone, and what this worker ran is another host's to run: leaving"
+    )
+    os._exit(1)
 
 
 def _die_with_parent() -> None:

@@ -214,6 +214,34 @@ def test_one_hand_off_reaches_a_worker_once_whichever_source_gives_it(workdir: P
         hand_off.give("p", stream)
 
 
+def test_a_pool_retrieves_only_what_its_free_lanes_can_start(workdir: Path) -> None:
+    # Budget 4, one lane: the three it cannot start stay pending for other hosts' workers
+    # rather than wait in its backlog, active in the store.
+    store = MemoryQueueStore()
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
+    pool.queue = QueryQueue("p", query_handlers={}, driver=store, concurrency=4)
+    pipe = _Pipe()
+    pool.slots.workers.append(Worker(process=None, conn=pipe))
+    hand_off = HandOff([pool])
+    transaction = BatchTransaction(store, hand_off, to_loop=lambda callback: callback())
+
+    def run(batch: list[Request]) -> None:
+        answers, for_pool = transaction.execute(batch)
+        assert len(answers) == len(batch) and all(ok for ok, _ in answers)
+        hand_off.hand_over(batch, answers, for_pool)
+
+    for i in range(4):
+        run([_request("add", f"p:k{i}", f'{{"queryHandler": "sql", "query": {i}}}')])
+    assert len(store.active("p")) == 1 and len(store.pending("p")) == 3
+    assert len(pipe.sent) == 1 and pool.backlog == 0 and pool.room == 0
+    # Its ACK frees the lane in the same batch: exactly one more is retrieved.
+    ((running, _),) = pool.running()
+    run([_request("ack", running, '{"result": 1}')])
+    assert len(store.active("p")) == 1 and len(store.pending("p")) == 2
+    pool.acked(running)  # as the runner tells it once the ACK is answered
+    assert len(pipe.sent) == 2 and pool.backlog == 0
+
+
 def test_a_query_for_a_queue_or_handler_no_pool_serves_is_refused() -> None:
     shapes, served = Shapes(MemoryQueueStore()), {"p": frozenset({"sql"})}
 

@@ -281,12 +281,12 @@ async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
         await server.stop()
 
 
-async def test_a_query_sent_while_a_cancelled_handler_thread_drains_waits_for_it(
+async def test_a_query_that_comes_while_a_cancelled_handler_thread_drains_waits_for_it(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cancelled sync handler's thread runs on: its worker ACKs, says it is draining,
-    and takes nothing new until the thread ends. The query sent to it as its ACK was
-    answered waits in its pipe, unstarted, and runs there once the thread has ended."""
+    and takes nothing new until the thread ends. The query that waits meanwhile runs
+    there once the thread has ended."""
     from queryqueue.supervisor.server import QueueServer
     from tests.apps.pool_app import app as pool_app
 
@@ -303,7 +303,8 @@ async def test_a_query_sent_while_a_cancelled_handler_thread_drains_waits_for_it
         second: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         await wait_until(lambda: _starts(workdir, "s1"), within=30, what="s1 running")
         second = asyncio.ensure_future(queue.run("sql", "s2", {"key": "s2", "seconds": 0.05}))
-        await wait_until(lambda: pool.describe()["backlog"] == 1, what="s2 waiting in the pool")
+        # No lane to start it: pending in the store, not retrieved to wait in the pool.
+        await wait_until(lambda: len(store.pending(queue.prefix)) == 1, what="s2 pending")
         s1 = queue.hash_query_key("s1")
         (running,) = [i for i in await driver.list_items(queue.prefix) if i.id == s1]
         assert await driver.cancel(running.queue_id) is not None

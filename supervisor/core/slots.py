@@ -149,6 +149,14 @@ class Slots:
             held += (worker.job is not None) + (worker.next is not None)
         return held
 
+    @property
+    def room(self) -> int:
+        """Queries the pool could start now: its lanes that take one, less its backlog."""
+        free = 0
+        for worker in self.workers:
+            free += worker.takes()
+        return max(0, free - len(self.backlog))
+
     def holding(self, key: QueueKey) -> Job | None:
         """The job of an item the pool holds, waiting or running, by id or path."""
         if isinstance(key, int):

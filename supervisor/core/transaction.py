@@ -54,6 +54,9 @@ class BatchTransaction:
         self.on_lane = store.blocking
         self.to_loop = to_loop
         self.stopping = False  # set by the shell: nothing more is retrieved for the pools
+        # A lane's batch: its pool's room as the loop saw it as it sent the batch there
+        # (`room_at_dispatch`), by prefix; the pool is the loop's, never read on a lane.
+        self.rooms: dict[str, int] = {}
 
     def execute(
         self, batch: list[Request], route: str | None = None
@@ -185,7 +188,12 @@ class BatchTransaction:
                 due = self.pool_retrieval_due(pool, batch[: len(answers)], answers)
             if due is None:
                 continue
-            got = self.retrieve_for_pool(pool) if due else []
+            # What the early hand-off retrieved and has not given the pool yet.
+            taken = 0
+            if not self.store.hands_off_early():
+                taken = sum(1 for prefix, _ in early or [] if prefix == pool.prefix)
+            room = self.pool_room(pool, batch[: len(answers)], answers, taken)
+            got = self.retrieve_for_pool(pool, limit=room) if due and room else []
             if got is not None:
                 tried = True
                 later += got
@@ -215,7 +223,8 @@ class BatchTransaction:
             floor = self.priority_floor(pool, rest)
             if floor is False:
                 continue
-            found = self.retrieve_for_pool(pool, min_priority=floor)
+            room = self.pool_room(pool, done, answers)
+            found = self.retrieve_for_pool(pool, min_priority=floor, limit=room) if room else []
             if found is not None:
                 got = (got or []) + found
         if got and self.store.hands_off_early():
@@ -317,10 +326,32 @@ class BatchTransaction:
                 pending = answer.pending if answer is not None else pending
         return (pending != 0) if may else None
 
-    def retrieve_for_pool(self, pool: Pool, min_priority: int | None = None) -> Retrieved | None:
+    def pool_room(
+        self, pool: Pool, batch: list[Request], answers: list[tuple[bool, Any]], taken: int = 0
+    ) -> int:
+        """What `pool`'s workers can start once the batch commits: its free lanes and those
+        whose ACK the batch carries, less what the batch retrieved for it already (`taken`).
+        A host retrieves no more than that, whatever the budget allows: the rest stays
+        pending for hosts with idle workers. On a lane, as the loop saw it."""
+        if self.on_lane:
+            prefix = pool.prefix
+            return max(0, self.rooms.get(prefix, 0) - taken) if prefix is not None else 0
+        freed = sum(1 for queue_id in acked_ids(batch, answers) if pool.holds(queue_id))
+        return max(0, pool.room + freed - taken)
+
+    @staticmethod
+    def room_at_dispatch(pool: Pool, batch: list[Request]) -> int:
+        """On the loop, as a lane's batch leaves for its lane: the pool's room once the
+        batch's ACKs of its workers' queries have run."""
+        acks = (r.args[0] for r in batch if r.method == "ack" and r.args and type(r.args[0]) is int)
+        return pool.room + sum(1 for queue_id in acks if pool.holds(queue_id))
+
+    def retrieve_for_pool(
+        self, pool: Pool, min_priority: int | None = None, limit: int | None = None
+    ) -> Retrieved | None:
         """`pool`'s queue's reconcile, in the batch: the head of PENDING retrieved per free
         slot (`retrieve_next`), with its process id, its concurrency and the design's rule
-        on persistent keys. None: it failed (the reconcile does the rest)."""
+        on persistent keys, at most `limit`. None: it failed (the reconcile does the rest)."""
         queue = pool.queue
         assert queue is not None
         # startQueryTime in the retrieving write (Cube's processQuery records it right
@@ -333,6 +364,7 @@ class BatchTransaction:
                 process_id=queue.process_uid,
                 start_query_time=started,
                 min_priority=min_priority,
+                limit=limit,
             )
         except QueueError as exc:
             _log.warning("retrieving for the pool in the batch failed: %s", exc)

@@ -166,3 +166,27 @@ one.handler("sql")(run)
 three = QueueApp("three", concurrency=3, continue_wait_timeout=1.0, heartbeat_interval=0.25)
 three.handler("sql")(run)
 three.handler("hoard")(hoard)
+
+
+# Hosts sharing a budget of 6 (2 workers each on 3 hosts); their stall timeout as the
+# multi-host tests set it (POOL_HEARTBEAT).
+six = QueueApp(
+    "six",
+    concurrency=6,
+    continue_wait_timeout=1.0,
+    heartbeat_interval=float(os.environ.get("POOL_HEARTBEAT", "0.25")),
+)
+six.handler("sql")(run)
+
+
+@six.handler("ticking")
+def ticking(query: Any, set_cancel_handler: Any) -> Any:
+    """As `sql`, with a trace line every 50 ms while it runs: its last one tells when the
+    process running it was last alive, should it die mid-query."""
+    _trace("start", query["key"], os.getpid(), time.monotonic())
+    deadline = time.monotonic() + query["seconds"]
+    while time.monotonic() < deadline:
+        _trace("tick", query["key"], os.getpid(), time.monotonic())
+        time.sleep(0.05)
+    _trace("end", query["key"], os.getpid(), time.monotonic())
+    return {"key": query["key"], "pid": os.getpid()}
