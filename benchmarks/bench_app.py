@@ -112,3 +112,10 @@ def sleep_sync(query: Any, set_cancel_handler: Any) -> int:
 # The callers' side of examples/postgres_app.py's queue (its supervisor runs the example's
 # handlers; a caller needs only the queue's name).
 pg_example = QueueApp("pg", concurrency=32, continue_wait_timeout=60.0)
+
+
+# One queue on PostgreSQL served by several hosts of 2 workers each (the hosts workload):
+# a budget of 6, shared by what each host's workers can run.
+hosts = QueueApp("bench_hosts", concurrency=6, continue_wait_timeout=60.0)
+hosts.handler("noop")(noop)
+hosts.handler("sleep")(sleep)

@@ -314,8 +314,11 @@ def postgres_unavailable() -> str | None:
 
 
 @contextmanager
-def postgres_hosts(count: int, *options: str) -> Iterator[list[SupervisorProcess]]:
-    """`count` supervisors, each with 2 workers, sharing a fresh PostgreSQL schema."""
+def postgres_hosts(
+    count: int, *options: str, app: str = "app"
+) -> Iterator[list[SupervisorProcess]]:
+    """`count` supervisors, each with 2 workers of `app` (bench_app's), sharing a fresh
+    PostgreSQL schema."""
     import psycopg
     from psycopg import sql
 
@@ -331,7 +334,7 @@ def postgres_hosts(count: int, *options: str) -> Iterator[list[SupervisorProcess
                         "--schema",
                         schema,
                         "--app",
-                        APP,
+                        f"benchmarks.bench_app:{app}",
                         "--workers",
                         "2",
                         *options,
@@ -339,7 +342,8 @@ def postgres_hosts(count: int, *options: str) -> Iterator[list[SupervisorProcess
                         cwd=REPO,
                     )
                 )
-            drive(hosts, [[Job("noop", ["warm", i], {}) for i in range(200)]], in_flight=16)
+            warm = [[Job("noop", ["warm", i], {}) for i in range(200)]]
+            drive(hosts, warm, in_flight=16, app_name=app)
             yield hosts
         finally:
             for host in hosts:

@@ -13,7 +13,9 @@ Workloads (a fresh store for each repetition, a warm-up first, median and min-ma
 5. large_results: 1, 10, 100 MiB results to the caller, against a raw shared-memory copy;
 6. soak: 1,000,000 no-op queries: supervisor RSS at start, middle, end; database and WAL;
 7. io_bound: 2,000 queries waiting 100 ms of I/O each at a budget of 64, workers running
-   many at once, against the ideal schedule and the peers that do the same (io_bound.py).
+   many at once, against the ideal schedule and the peers that do the same (io_bound.py);
+8. hosts: one queue on PostgreSQL through 1, 2 and 3 supervisors of 2 workers at a budget
+   of 6, no-op and 20 ms queries, each against one host's throughput (hosts.py).
 
 Writes `<out>/benchmarks.json`, `<out>/benchmarks.md` (the tables) and, with matplotlib,
 `<out>/benchmarks.png`. Asserts nothing about speed.
@@ -35,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import io_bound, ours, peers, reference
+from benchmarks import hosts, io_bound, ours, peers, reference
 from benchmarks.measure import spread
 
 WORKLOADS = [
@@ -46,6 +48,7 @@ WORKLOADS = [
     "large_results",
     "soak",
     "io_bound",
+    "hosts",
 ]
 
 
@@ -62,6 +65,7 @@ class Sizes:
     soak: int
     postgres: int  # throughput queries on PostgreSQL (a network store: fewer)
     io_bound: int  # queries that wait 100 ms each
+    hosts: int  # no-op queries through 1, 2 and 3 hosts on PostgreSQL (half as many of 20 ms)
 
 
 # The workloads that set systems side by side run in rounds, one repetition of every
@@ -69,8 +73,8 @@ class Sizes:
 # README), each system then meets every hour of the run, not the one its turn fell in.
 COMPARED = ("throughput", "idle_latency", "dedup_storm", "priority_burst")
 
-FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000, 5_000, 2_000)
-QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000, 500, 640)
+FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000, 5_000, 2_000, 3_000)
+QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000, 500, 640, 300)
 
 
 def machine() -> dict[str, Any]:
@@ -199,6 +203,9 @@ def _workloads(
         step("queryqueue on PostgreSQL", lambda: io_bound.postgres_example(s.io_bound, s.reps))
         if with_peers:
             step("peers", lambda: io_bound.peer_rows(s.io_bound, s.reps))
+    if "hosts" in only:
+        print("hosts", flush=True)
+        step("queryqueue on PostgreSQL", lambda: hosts.rows(s.hosts, min(s.reps, 3)))
     return rows
 
 
