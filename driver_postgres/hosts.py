@@ -1,10 +1,11 @@
 """Hosts sharing a queue: each supervisor's lease on the items it runs.
 
 Every item a supervisor's store activates names that store (`items.owner`: its origin),
-and the supervisor renews the store's row in `hosts` every half second (`HostLease.beat`).
-An active item whose owner's row is older than the lease's timeout belongs to a host
-that died, or lost the database: any other host's reconcile reaps it as stalled then,
-within seconds, whatever the items' own heartbeat interval (whose timeout is minutes).
+and the supervisor renews the store's row in `hosts` every tenth of the lease
+(`HostLease.beat`). An active item whose owner's row is older than the lease's timeout
+belongs to a host that died, or lost the database: any other host's reconcile reaps it
+as stalled then, within seconds, whatever the items' own heartbeat interval (whose
+timeout is minutes).
 A host never reaps its own items for its lease (it knows which of them live), and when
 its connection comes back it refreshes the heartbeats of its own items only: another
 host's, dead meanwhile, still go at their time. A store with no lease (a process using
@@ -55,7 +56,11 @@ class HostLease:
 
 def lease_of(owner: str, host_timeout: float | None) -> HostLease | None:
     """The lease a store with `host_timeout` (seconds) holds (None: no timeout, none)."""
-    return None if host_timeout is None else HostLease(owner, round(host_timeout * 1000))
+    if host_timeout is None:
+        return None
+    if not host_timeout > 0:
+        raise ValueError(f"host_timeout must be positive seconds, got {host_timeout!r}")
+    return HostLease(owner, round(host_timeout * 1000))
 
 
 def owner_of(lease: HostLease | None) -> str | None:

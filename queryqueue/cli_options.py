@@ -130,6 +130,17 @@ def _store_options(sup: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive_seconds(text: str) -> float:
+    """An option's seconds: a number above 0 (argparse names the option when it fails)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
+    return value
+
+
 def _postgres_options(sup: argparse.ArgumentParser) -> None:
     """A queue on PostgreSQL: its schema, its sessions' timeouts, its connections."""
     sup.add_argument(
@@ -159,7 +170,7 @@ def _postgres_options(sup: argparse.ArgumentParser) -> None:
     )
     sup.add_argument(
         "--pg-host-timeout",
-        type=float,
+        type=_positive_seconds,
         default=5.0,
         metavar="S",
         help="PostgreSQL: a host unseen this long (dead, or cut off from the database) has"

@@ -127,7 +127,7 @@ class QueueServer:
         self._merged: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}  # `_of_pools`
         self._servers: list[asyncio.Server] = []
         self._handlers: set[asyncio.Task[None]] = set()
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Future[Any] | None = None
         self._beat_failing = False
         self._socket_lock: guard.Lock | None = None
         self._stop_watching: Any = None
@@ -164,7 +164,7 @@ class QueueServer:
                 self.store, self._loop, self._store_failed, expecting=self._pool_runs
             )
         self.runner.start(self._loop)
-        self._sweeper = asyncio.ensure_future(self._sweep_forever())
+        self._sweeper = asyncio.gather(self._sweep_forever(), self._beat_forever())
 
     def _pool_runs(self) -> bool:
         """Whether the pool holds a query, whose ACK will commit soon (synced.py)."""
@@ -194,7 +194,6 @@ class QueueServer:
         while True:
             await asyncio.sleep(min(0.5, self.settings.purge_interval))
             self.segments.sweep()
-            await self._beat_host()
             for pool in self.pools:
                 # Batches retrieve for the pools themselves; their reconciles (stalled and
                 # orphaned items, anything a batch could not take) still run this often.
@@ -206,6 +205,16 @@ class QueueServer:
                     await self._purge_expired()
                 except QueueError as exc:
                     _log.warning("purging expired results failed: %s", exc)
+
+    async def _beat_forever(self) -> None:
+        """This host's lease renewed every tenth of it (a store several hosts share), on a
+        task of its own: a long purge or reconcile never holds it up past the lease."""
+        timeout = self.store.host_timeout
+        if timeout is None:
+            return
+        while True:
+            await asyncio.sleep(timeout / 10)
+            await self._beat_host()
 
     async def _beat_host(self) -> None:
         """This host's lease on the items it runs, renewed (a store several hosts share):

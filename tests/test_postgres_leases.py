@@ -5,7 +5,10 @@ refreshes only its own."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -99,3 +102,16 @@ def test_an_item_given_back_is_no_hosts_and_a_closed_host_leaves(
     with psycopg.connect(URL, autocommit=True) as admin:
         rows = admin.execute(f'SELECT count(*) FROM "{b.schema}".hosts').fetchone()
     assert rows is not None and rows[0] == 1  # a's row went with it
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "soon"])
+def test_a_host_timeout_that_is_not_positive_seconds_is_refused_by_name(
+    bad: str, tmp_path: Path
+) -> None:
+    command = [
+        sys.executable, "-m", "queryqueue", "supervisor", "--store", URL,
+        "--socket", str(tmp_path / "s.sock"), "--pg-host-timeout", bad,
+    ]  # fmt: skip
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "argument --pg-host-timeout:" in refused.stderr
