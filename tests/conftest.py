@@ -11,7 +11,7 @@ from queryqueue import MemoryQueueStore, QueueStore, SqliteQueueStore
 from queryqueue.driver_socket.segments import SHM_DIR
 from queryqueue.engine.clock import ManualClock
 from queryqueue.supervisor.server import QueueServer
-from tests.postgres_util import postgres_store
+from tests.postgres_util import drop_schema, fresh_schema, postgres_store, require_postgres
 from tests.supervisor_util import socket_dir
 
 StoreFactory = Callable[..., QueueStore]
@@ -73,3 +73,12 @@ def make_store(
 @pytest.fixture
 def store(make_store: StoreFactory) -> QueueStore:
     return make_store()
+
+
+@pytest.fixture
+def schema() -> Iterator[str]:
+    """A fresh PostgreSQL schema, dropped afterwards (the test is skipped without a server)."""
+    require_postgres()
+    name = fresh_schema()
+    yield name
+    drop_schema(name)

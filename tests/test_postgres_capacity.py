@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +17,12 @@ import pytest
 from queryqueue import SocketQueueDriver
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.pool_util import ask
-from tests.postgres_util import URL, drop_schema, fresh_schema, require_postgres
+from tests.postgres_util import URL
 from tests.supervisor_util import REPO, close_all
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
 
 APP = "tests.apps.pool_app:six"
-
-
-@pytest.fixture
-def schema() -> Iterator[str]:
-    require_postgres()
-    name = fresh_schema()
-    yield name
-    drop_schema(name)
 
 
 def _host(workdir: Path, name: str, schema: str, *options: str) -> SupervisorProcess:

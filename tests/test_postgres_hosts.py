@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +22,13 @@ from queryqueue.engine.clock import ManualClock
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 from tests.batches import answers_or_errors
 from tests.pool_util import ask, pool_server
-from tests.postgres_util import URL, Proxy, drop_schema, fresh_schema, require_postgres
+from tests.postgres_util import URL, Proxy, fresh_schema
 from tests.recording import record_calls
 from tests.supervisor_util import REPO, close_all
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until, wait_until_sync
 
 APP = "tests.apps.pool_app:app"
-
-
-@pytest.fixture
-def schema() -> Iterator[str]:
-    require_postgres()
-    name = fresh_schema()
-    yield name
-    drop_schema(name)
 
 
 def _host(

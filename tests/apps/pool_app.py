@@ -149,13 +149,17 @@ short.cancel_handler("sql")(cancel)
 short.handler("polite")(polite)
 short.cancel_handler("polite")(cancel_polite)
 
+
+def _with_heartbeat(name: str, concurrency: int) -> QueueApp:
+    """A queue whose stall timeout is the tests' (POOL_HEARTBEAT, as `app`'s)."""
+    heartbeat = float(os.environ.get("POOL_HEARTBEAT", "0.25"))
+    return QueueApp(
+        name, concurrency=concurrency, continue_wait_timeout=1.0, heartbeat_interval=heartbeat
+    )
+
+
 # One query at a time: one running query leaves a pool of one worker no idle slot.
-single = QueueApp(
-    "single",
-    concurrency=1,
-    continue_wait_timeout=1.0,
-    heartbeat_interval=float(os.environ.get("POOL_HEARTBEAT", "0.25")),
-)
+single = _with_heartbeat("single", 1)
 single.handler("sql")(run)
 single.cancel_handler("sql")(cancel)
 single.handler("hoard")(hoard)
@@ -170,12 +174,7 @@ three.handler("hoard")(hoard)
 
 # Hosts sharing a budget of 6 (2 workers each on 3 hosts); their stall timeout as the
 # multi-host tests set it (POOL_HEARTBEAT).
-six = QueueApp(
-    "six",
-    concurrency=6,
-    continue_wait_timeout=1.0,
-    heartbeat_interval=float(os.environ.get("POOL_HEARTBEAT", "0.25")),
-)
+six = _with_heartbeat("six", 6)
 six.handler("sql")(run)
 
 
