@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from queryqueue.engine.errors import QueryTimeoutError
 from queryqueue.engine.outcome import encode_error
-from queryqueue.engine.responses import QueueId
 from queryqueue.supervisor.core.slots import Job, Worker
 
 if TYPE_CHECKING:
@@ -59,11 +58,12 @@ class Beats:
                 running.append((worker, worker.job))
         slots = self.pool.slots
         waiting = [*slots.backlog, *(w.next for w in slots.workers if w.next is not None)]
-        # All at once, each on a free lane: one held up (a lane still reconnecting after
-        # an outage) delays no other item's heartbeat past the stall timeout.
+        # All at once, each on its prefix's lane (in order behind that prefix's batch): a
+        # prefix whose lock another client holds holds up its own heartbeats only, never
+        # the lanes other prefixes' commands and `stats` need.
         beaten = await asyncio.gather(
-            *(self._heartbeat(job.queue_id) for _, job in running),
-            *(self._heartbeat(job.queue_id) for job in waiting),
+            *(self._heartbeat(job) for _, job in running),
+            *(self._heartbeat(job) for job in waiting),
         )
         for (worker, job), kept in zip(running, beaten, strict=False):
             if kept or worker.job is not job:  # beaten, or ended meanwhile (its ACK)
@@ -113,9 +113,10 @@ class Beats:
         worker.process.kill()  # SIGKILL ends a stopped process too; its exit replaces it
         return True
 
-    async def _heartbeat(self, queue_id: QueueId) -> bool:
+    async def _heartbeat(self, job: Job) -> bool:
+        store, prefix = self.pool.store, job.path.rpartition(":")[0]
         try:
-            return await self.pool.store.run_off_loop(self.pool.store.heartbeat, queue_id)
+            return await store.run_off_loop(store.heartbeat, job.queue_id, route=prefix)
         except Exception:  # a failing heartbeat must not stop the others
-            _log.exception("heartbeat of queue item %s failed", queue_id)
+            _log.exception("heartbeat of queue item %s failed", job.queue_id)
             return True

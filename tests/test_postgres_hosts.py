@@ -218,19 +218,32 @@ async def test_priority_order_holds_across_hosts(
     workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    gate = workdir / "gate"
+    gate.touch()
+    monkeypatch.setenv("POOL_GATE", str(gate))
 
-    async def ask(queue: Any, key: str, seconds: float, priority: int) -> Any:
+    async def ask(queue: Any, handler: str, key: str, priority: int, seconds: float) -> Any:
         query = {"key": key, "seconds": seconds}
-        return await queue.execute_in_queue("sql", key, query, priority)
+        return await queue.execute_in_queue(handler, key, query, priority)
 
     async with _two_pool_hosts(workdir, schema) as (_, drivers, queues):
-        # The prefix's two slots busy (one per host)...
-        blockers = [asyncio.ensure_future(ask(q, f"b{i}", 1.5, 0)) for i, q in enumerate(queues)]
+        # The prefix's two slots busy (one per host) until the gate opens...
+        blockers = [
+            asyncio.ensure_future(ask(q, "gated", f"b{i}", 0, 0)) for i, q in enumerate(queues)
+        ]
         await wait_until(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=30)
         # ...background work queued on host a, then urgent work on host b.
-        low = [asyncio.ensure_future(ask(queues[0], f"low{i}", 0.05, 0)) for i in range(3)]
-        await wait_until(lambda: _pending(drivers[0], 3), within=10)
-        high = [asyncio.ensure_future(ask(queues[1], f"high{i}", 0.05, 5)) for i in range(3)]
+        low = [asyncio.ensure_future(ask(queues[0], "sql", f"low{i}", 0, 0.05)) for i in range(3)]
+        await wait_until(lambda: _pending(drivers[0], 3), within=30)
+        # The first high to end frees the slot the last high takes; a low takes a slot
+        # only once a long one ends, half a second later: the order shows in their starts
+        # however long a worker takes to start what it was handed.
+        high = [
+            asyncio.ensure_future(ask(queues[1], "sql", f"high{i}", 5, seconds))
+            for i, seconds in enumerate((0.05, 0.5, 0.5))
+        ]
+        await wait_until(lambda: _pending(drivers[0], 6), within=30)
+        gate.unlink()
         await asyncio.gather(*blockers, *low, *high)
     started = {t[1]: float(t[3]) for t in read_trace(workdir) if t[0] == "start"}
     assert max(started[f"high{i}"] for i in range(3)) <= min(started[f"low{i}"] for i in range(3))
@@ -247,12 +260,19 @@ async def test_an_item_its_caller_abandoned_is_reaped_by_another_host(
     from tests.apps.pool_app import app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    gate = workdir / "gate"
+    gate.touch()
+    monkeypatch.setenv("POOL_GATE", str(gate))
     slow_beats = {**os.environ, "POOL_HEARTBEAT": "1.0"}
     hosts = [_pool_host(workdir, "a", schema), _pool_host(workdir, "b", schema, env=slow_beats)]
     drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
     queues = [app.pool_queue(d, continue_wait_timeout=0.3) for d in drivers]
     try:
-        blockers = [asyncio.ensure_future(_ask(q, f"b{i}", 3.0)) for i, q in enumerate(queues)]
+        # Each host's slot held until the gate opens, however slow the machine.
+        blockers = [
+            asyncio.ensure_future(ask(q, "gated", f"b{i}", {"key": f"b{i}"}, within=60))
+            for i, q in enumerate(queues)
+        ]
         await wait_until(lambda: sum(t[0] == "start" for t in read_trace(workdir)) == 2, within=30)
         # Asked on host a with a 1 s orphaned timeout, then the caller goes away. Host b
         # finds the blocker host a held stalled only its heartbeat timeout (4 s) after the
@@ -266,6 +286,7 @@ async def test_an_item_its_caller_abandoned_is_reaped_by_another_host(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         await wait_until(lambda: _pending(drivers[1], 0), within=15)
+        gate.unlink()
         await asyncio.gather(blockers[1])
         trace = read_trace(workdir)
         assert "gone" not in [t[1] for t in trace if t[0] == "start"]

@@ -36,6 +36,18 @@ def run(query: Any, set_cancel_handler: Any) -> Any:
     return {"key": query["key"], "pid": os.getpid()}
 
 
+@app.handler("gated")
+def gated(query: Any, set_cancel_handler: Any) -> Any:
+    """Runs until the test removes the file named by $POOL_GATE: holds its slot for as
+    long as the test needs it held, however slow the machine."""
+    _trace("start", query["key"], os.getpid(), time.monotonic())
+    gate = os.environ.get("POOL_GATE")
+    while gate and os.path.exists(gate):
+        time.sleep(0.01)
+    _trace("end", query["key"], os.getpid(), time.monotonic())
+    return {"key": query["key"], "pid": os.getpid()}
+
+
 @app.handler("loop")
 async def loop_kind(query: Any, set_cancel_handler: Any) -> str:
     return loops.running_name()
