@@ -138,7 +138,7 @@ class Executor:
         )
         started = time.monotonic()
         policy = self.queue.handler_policies.get(str(query.get("queryHandler")), DEFAULT_POLICY)
-        execution.timeout = policy.budget(self.queue.execution_timeout)
+        execution.timeout = policy.budget(self.queue.execution_timeout, query)
         try:
             result = await retrying.attempts(
                 functools.partial(self._run_handler, execution, watch), policy, execution.timeout,

@@ -193,18 +193,22 @@ class QueryQueue:
         request_id: str | None = None,
         stage_query_key: Any = None,
         view: bool = False,
+        execution_timeout: float | None = None,
     ) -> Any:
         """Enqueue (or join) a query and wait for its result, however long it takes.
 
         Re-polls the same item while it runs; raises `QueryTimeoutError` once `timeout`
         seconds have passed without a result (the query itself goes on, for other callers),
         `QueryCancelledError` if cancelled, `QueryError` if its handler failed. `view`:
-        answer a `ResultView` (a binary result read in place until released)."""
+        answer a `ResultView` (a binary result read in place until released).
+        `execution_timeout`: seconds its execution may take, where shorter than its
+        handler's and queue's (set by the call that enqueues it, not one that joins it)."""
         if timeout is not None and not timeout > 0:
             raise InvalidCommandError(f"timeout must be positive seconds, got {timeout!r}")
         request = Request(
-            query_handler, query_key, query, priority, stage_query_key, request_id, None, view
-        )
+            query_handler, query_key, query, priority, stage_query_key, request_id, None, view,
+            execution_timeout,
+        )  # fmt: skip
         # The loop's clock bounds every wait too, reconnecting to a driver's server included.
         bound = asyncio.timeout(None if timeout is None else timeout + BOUND_SLACK_S)
         try:

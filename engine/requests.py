@@ -44,6 +44,9 @@ class Request:
     request_id: str | None
     span_id: str | None
     view: bool = False  # answer a ResultView
+    # Seconds its execution may take, where shorter than its handler's and queue's: the
+    # item's, set by the call that enqueues it (a call that joins it does not change it).
+    execution_timeout: float | None = None
 
 
 class RequestSide:
@@ -117,6 +120,13 @@ class RequestSide:
             raise InvalidCommandError(
                 f"Priority should be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority!r}"
             )
+        timeout = request.execution_timeout
+        if timeout is not None and (
+            not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0
+        ):
+            raise InvalidCommandError(
+                f"execution_timeout must be positive seconds, got {timeout!r}"
+            )
         if self.queue._closed:
             raise QueueClosedError(f"the queue {self.queue.prefix!r} is closed")
         if request.query_handler == STREAM_HANDLER:
@@ -151,6 +161,8 @@ class RequestSide:
         }
         if types is not None:
             query_def["queryTypes"] = types
+        if request.execution_timeout is not None:
+            query_def["executionTimeout"] = request.execution_timeout
         try:  # the query and its key are JSON now; the stage key is checked here
             orjson.dumps(request.stage_query_key)
         except TypeError as exc:

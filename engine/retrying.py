@@ -15,7 +15,7 @@ supervisor holds its workers to the queue's).
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,10 +51,16 @@ class HandlerPolicy:
                 f"execution_timeout must be positive seconds, not {self.execution_timeout!r}"
             )
 
-    def budget(self, queue_timeout: float) -> float:
-        """Seconds its queries have, all attempts: its own timeout within the queue's."""
+    def budget(self, queue_timeout: float, query_def: Mapping[str, Any] | None = None) -> float:
+        """Seconds a query has, all attempts: the handler's own timeout within the queue's,
+        and the call's (its definition's `executionTimeout`, where it is positive seconds)
+        within that."""
         own = self.execution_timeout
-        return queue_timeout if own is None else min(own, queue_timeout)
+        seconds = queue_timeout if own is None else min(own, queue_timeout)
+        call = (query_def or {}).get("executionTimeout")
+        if isinstance(call, int | float) and not isinstance(call, bool) and call > 0:
+            seconds = min(seconds, float(call))
+        return seconds
 
     def retries_after(self, error: BaseException, attempt: int) -> bool:
         """Whether attempt `attempt` (1 for the first) failing with `error` is run again."""

@@ -55,6 +55,7 @@ class SyncQueryQueue:
         priority: int = 0,
         timeout: float | None = None,
         request_id: str | None = None,
+        execution_timeout: float | None = None,
     ) -> Any:
         """`QueryQueue.run`, blocking: the result, or its error."""
         return self._call(
@@ -65,6 +66,7 @@ class SyncQueryQueue:
                 priority=priority,
                 timeout=timeout,
                 request_id=request_id,
+                execution_timeout=execution_timeout,
             )
         )
 

@@ -222,11 +222,13 @@ class QueueApp:
         priority: int = 0,
         timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, like Future.result(timeout)
         request_id: str | None = None,
+        execution_timeout: float | None = None,
     ) -> Any:
         """Run the query in the supervisor's pool (or join an identical one in flight) and
         return its result: `QueryQueue.run` on this process's queue. `key`: what makes two
         calls the same query, sharing one execution (None: the query itself, so identical
-        queries share and different ones never do)."""
+        queries share and different ones never do). `execution_timeout`: seconds its
+        execution may take, where shorter than its handler's and queue's."""
         return await self.client_queue().run(
             query_handler,
             query if key is None else key,
@@ -234,6 +236,7 @@ class QueueApp:
             priority=priority,
             timeout=timeout,
             request_id=request_id,
+            execution_timeout=execution_timeout,
         )
 
     @contextlib.asynccontextmanager
@@ -271,6 +274,7 @@ class QueueApp:
         priority: int = 0,
         timeout: float | None = None,
         request_id: str | None = None,
+        execution_timeout: float | None = None,
     ) -> Any:
         """`run` for code without an event loop (a Flask or Django view, a thread): blocks
         until the result. Nothing runs in this process, whatever the priority."""
@@ -281,6 +285,7 @@ class QueueApp:
             priority=priority,
             timeout=timeout,
             request_id=request_id,
+            execution_timeout=execution_timeout,
         )
 
     def sync_queue(self) -> SyncQueryQueue:

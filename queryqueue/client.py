@@ -68,13 +68,15 @@ class Client:
         priority: int = 0,
         timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, as app.run's
         request_id: str | None = None,
+        execution_timeout: float | None = None,
     ) -> Any:
         """Run `query_handler` of `queue` on `query` in the supervisor's pool (or join an
         identical one in flight) and return its result. `key`: what makes two calls the
-        same query (None: the query itself)."""
+        same query (None: the query itself); `execution_timeout` as `QueueApp.run`'s."""
         return await self.queue(queue).run(
             query_handler, query if key is None else key, query,
             priority=priority, timeout=timeout, request_id=request_id,
+            execution_timeout=execution_timeout,
         )  # fmt: skip
 
     def run_sync(
@@ -87,6 +89,7 @@ class Client:
         priority: int = 0,
         timeout: float | None = None,
         request_id: str | None = None,
+        execution_timeout: float | None = None,
     ) -> Any:
         """`run` for code without an event loop (a Flask or Django view, a thread)."""
         face = self._sync.get((os.getpid(), queue))
@@ -95,6 +98,7 @@ class Client:
         return face.run(
             query_handler, query if key is None else key, query,
             priority=priority, timeout=timeout, request_id=request_id,
+            execution_timeout=execution_timeout,
         )  # fmt: skip
 
     async def aclose(self) -> None:

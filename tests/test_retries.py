@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from queryqueue import MemoryQueueStore, QueryCancelledError, QueryError, QueueApp
-from queryqueue.engine.errors import QueryTimeoutError
+from queryqueue.engine.errors import InvalidCommandError, QueryTimeoutError
 from queryqueue.engine.retrying import HandlerPolicy
 
 
@@ -117,3 +117,27 @@ async def test_a_handlers_own_execution_timeout_bounds_its_queries_and_names_its
         await queue.close(grace=0)
     with pytest.raises(ValueError, match="execution_timeout must be positive seconds"):
         app.handler("bad", execution_timeout=0)
+
+
+async def test_a_calls_own_execution_timeout_bounds_the_query_it_enqueues() -> None:
+    """`run(..., execution_timeout=0.2)`: the query it enqueues fails at 0.2 s, the message
+    naming it; the same handler asked without one runs to its end. A timeout that is not
+    positive seconds is refused before anything is queued."""
+    app = QueueApp("per_call")
+
+    @app.handler("wait")
+    async def wait(query: Any) -> str:
+        await asyncio.sleep(query["seconds"])
+        return "done"
+
+    queue = app.make_queue(MemoryQueueStore())
+    try:
+        with pytest.raises(QueryTimeoutError, match=r"timeout after 0\.2 s"):
+            await queue.run("wait", "slow", {"seconds": 60}, execution_timeout=0.2)
+        assert await queue.run("wait", "fine", {"seconds": 0.3}) == "done"
+        for bad in (0, -1, "5", True):
+            with pytest.raises(InvalidCommandError, match="execution_timeout must be positive"):
+                await queue.run("wait", "bad", {"seconds": 0}, execution_timeout=bad)  # type: ignore[arg-type]
+        assert await queue.connection.get_to_process_queries() == []
+    finally:
+        await queue.close(grace=0)
