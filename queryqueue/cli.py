@@ -127,6 +127,7 @@ def _supervisor(
             hard_limit=args.connection_hard_limit * MiB,
             max_parked=args.max_long_polls,
             max_sql_result=args.sql_result_limit * MiB,
+            max_shared_result=args.max_shared_result * MiB,
         ),
         shm_caps=(args.shm_max_total * MiB, args.shm_max_per_connection * MiB),
         app=args.app or None,

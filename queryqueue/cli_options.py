@@ -333,6 +333,14 @@ def _limit_options(sup: argparse.ArgumentParser) -> None:
         "--max-long-polls", type=int, default=1024, help="long polls one connection may park"
     )
     limits.add_argument(
+        "--max-shared-result",
+        type=int,
+        default=64,
+        metavar="MB",
+        help="on PostgreSQL (a store several hosts share): a larger result fails its query"
+        " with an error naming this limit",
+    )
+    limits.add_argument(
         "--shm-max-total",
         type=int,
         default=4096,

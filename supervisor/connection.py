@@ -49,6 +49,10 @@ class Limits:
     # A SQL-text RESULT of a result a Cube client cannot follow (shared memory, binary)
     # is materialised as JSON up to this many bytes, else refused naming this limit.
     max_sql_result: int = cube_results.DEFAULT_SQL_RESULT_LIMIT
+    # A result a store several hosts share (PostgreSQL) keeps itself, copied out of shared
+    # memory into one row: past this many bytes the ACK is refused at once, naming it, and
+    # the query fails with that error (a 256 MiB row outgrew every host's memory).
+    max_shared_result: int = 64 * 1024 * 1024
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from queryqueue.driver_socket.segments import parse_reference
-from queryqueue.engine.errors import QueueError
+from queryqueue.engine.errors import QueueError, ResultTooLargeError
 from queryqueue.engine.waiters import Waiter
 from queryqueue.supervisor.connection import Connection
 from queryqueue.supervisor.core.handoff import Retrieved
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from queryqueue.supervisor.server import QueueServer
 
 _log = logging.getLogger("queryqueue.server")
+MiB = 1024 * 1024
 
 # What a pool's worker says of the query it runs, besides its ACK (`note_acks`).
 _POOL_STEPS = frozenset({"heartbeat", "merge_extra"})
@@ -113,10 +114,23 @@ class Runner:
                     if shared and parse_reference(request.args[1]) is not None:
                         # Other hosts read this store, not our /dev/shm: it keeps the
                         # result itself (shared memory stays a same-host hand-off).
-                        request.args[1] = segments.take(request.args[1])
+                        request.args[1] = self.stored_shared(request.args[1])
                 except QueueError as exc:
                     request.refused = exc
         return batch
+
+    def stored_shared(self, reference: str) -> str:
+        """The result in shared memory that `reference` names, as the shared store keeps
+        it; one past the limit is refused (its segment freed), naming the limit."""
+        server, parsed = self.server, parse_reference(reference)
+        limit = server.limits.max_shared_result
+        if parsed is not None and parsed.size > limit:
+            server.segments.acked(reference, False)
+            raise ResultTooLargeError(
+                f"the result is {parsed.size / MiB:.1f} MiB; a store several hosts share"
+                f" keeps results of up to {limit / MiB:g} MiB (--max-shared-result)"
+            )
+        return server.segments.take(reference)
 
     def order(self, batch: list[Request]) -> list[Request]:
         return batch
