@@ -6,9 +6,13 @@ from __future__ import annotations
 import functools
 import os
 import uuid
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from queryqueue.supervisor.launch import SupervisorProcess
 
 URL = os.environ.get("QUERYQUEUE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -61,6 +65,40 @@ def postgres_store(**options: Any) -> Any:
 
     store.close = close_and_drop  # type: ignore[method-assign]
     return store
+
+
+def pg_host(
+    workdir: Path,
+    name: str,
+    schema: str,
+    *options: str,
+    url: str = URL,
+    env: dict[str, str] | None = None,
+) -> SupervisorProcess:
+    """A supervisor of `schema` on PostgreSQL at `url` (or a proxy in
+    front of it), its files named `name` in `workdir`, started in the checkout, where
+    `--app tests.apps...` resolves."""
+    from queryqueue.supervisor.launch import launch
+    from tests.supervisor_util import REPO
+
+    return launch(
+        workdir / f"{name}.db",
+        workdir / f"{name}.sock",
+        *("--schema", schema, *options),
+        store=url,
+        cwd=REPO,
+        env=env,
+    )
+
+
+def lock_waiters(admin: Any, schema: str) -> int:
+    """Sessions of the queue in `schema` waiting on a lock now (read by `admin`)."""
+    row = admin.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+        " AND wait_event_type = 'Lock'",
+        (f"queryqueue:{schema}",),
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 class Proxy:

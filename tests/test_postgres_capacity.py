@@ -15,10 +15,10 @@ import psutil
 import pytest
 
 from queryqueue import SocketQueueDriver
-from queryqueue.supervisor.launch import SupervisorProcess, launch
+from queryqueue.supervisor.launch import SupervisorProcess
 from tests.pool_util import ask
-from tests.postgres_util import URL
-from tests.supervisor_util import REPO, close_all
+from tests.postgres_util import pg_host
+from tests.supervisor_util import close_all
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until
 
@@ -28,14 +28,7 @@ APP = "tests.apps.pool_app:six"
 def _host(workdir: Path, name: str, schema: str, *options: str) -> SupervisorProcess:
     # A stall timeout of 10 s: a host paused by a loaded machine keeps its queries.
     env = {**os.environ, "POOL_HEARTBEAT": "2.5"}
-    return launch(
-        workdir / f"{name}.db",
-        workdir / f"{name}.sock",
-        *("--schema", schema, "--app", APP, "--workers", "2", *options),
-        store=URL,
-        cwd=REPO,
-        env=env,
-    )
+    return pg_host(workdir, name, schema, "--app", APP, "--workers", "2", *options, env=env)
 
 
 def _queues(hosts: list[SupervisorProcess]) -> tuple[list[SocketQueueDriver], list[Any]]:

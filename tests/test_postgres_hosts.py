@@ -19,43 +19,23 @@ import pytest
 
 from queryqueue import ContinueWaitError, SocketQueueDriver, StoreError
 from queryqueue.engine.clock import ManualClock
-from queryqueue.supervisor.launch import SupervisorProcess, launch
+from queryqueue.supervisor.launch import SupervisorProcess
 from tests.batches import answers_or_errors
 from tests.pool_util import ask, pool_server
-from tests.postgres_util import URL, Proxy, fresh_schema
+from tests.postgres_util import URL, Proxy, fresh_schema, lock_waiters, pg_host
 from tests.recording import record_calls
-from tests.supervisor_util import REPO, close_all
+from tests.supervisor_util import close_all
 from tests.trace import max_overlap, read_trace
 from tests.waiting import wait_until, wait_until_sync
 
 APP = "tests.apps.pool_app:app"
 
 
-def _host(
-    workdir: Path,
-    name: str,
-    schema: str,
-    *options: str,
-    url: str = URL,
-    env: dict[str, str] | None = None,
-) -> SupervisorProcess:
-    return launch(
-        workdir / f"{name}.db",
-        workdir / f"{name}.sock",
-        "--schema",
-        schema,
-        *options,
-        store=url,
-        cwd=REPO,
-        env=env,
-    )
-
-
 def _pool_host(
     workdir: Path, name: str, schema: str, *, url: str = URL, env: dict[str, str] | None = None
 ) -> SupervisorProcess:
     pool = ("--app", APP, "--workers", "2", "--cancel-grace", "1")
-    return _host(workdir, name, schema, *pool, url=url, env=env)
+    return pg_host(workdir, name, schema, *pool, url=url, env=env)
 
 
 async def _adds(driver: SocketQueueDriver) -> int:
@@ -149,7 +129,7 @@ async def test_killed_database_connections_lose_no_acknowledged_result(
 ) -> None:
     import psycopg
 
-    host = _host(workdir, "a", schema)
+    host = pg_host(workdir, "a", schema)
     driver = SocketQueueDriver(host.socket_path)
     stop = threading.Event()
     kills = 0
@@ -430,7 +410,7 @@ async def test_a_lock_held_elsewhere_fails_after_the_lock_timeout_while_ping_ans
 
     from queryqueue.driver_postgres.statements import prefix_lock_key
 
-    host = _host(workdir, "a", schema, "--pg-lock-timeout", "5")
+    host = pg_host(workdir, "a", schema, "--pg-lock-timeout", "5")
     driver = SocketQueueDriver(host.socket_path)
     try:
         with psycopg.connect(URL, autocommit=True) as other:
@@ -439,7 +419,7 @@ async def test_a_lock_held_elsewhere_fails_after_the_lock_timeout_while_ping_ans
                 "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (prefix_lock_key(schema, "p"),)
             )
             add = asyncio.ensure_future(driver.add("p:k", "{}"))
-            await wait_until(lambda: _waiting_on_a_lock(other, schema), within=10)
+            await wait_until(lambda: lock_waiters(other, schema) > 0, within=10)
             # The supervisor's loop is not waiting with it: ping answers meanwhile, and
             # another prefix's commands run on another connection.
             assert await driver.ping() == "pong"
@@ -466,7 +446,7 @@ async def test_a_table_locked_elsewhere_fails_commands_after_the_lock_timeout_no
     import psycopg
     from psycopg import sql
 
-    host = _host(workdir, "a", schema, "--pg-lock-timeout", "2")
+    host = pg_host(workdir, "a", schema, "--pg-lock-timeout", "2")
     driver = SocketQueueDriver(host.socket_path)
     try:
         with psycopg.connect(URL) as other, psycopg.connect(URL, autocommit=True) as admin:
@@ -476,7 +456,7 @@ async def test_a_table_locked_elsewhere_fails_commands_after_the_lock_timeout_no
                 )
             )
             adds = [asyncio.ensure_future(driver.add(f"{p}:k", "{}")) for p in ("p", "q", "r")]
-            await wait_until(lambda: _waiting_on_a_lock(admin, schema), within=10)
+            await wait_until(lambda: lock_waiters(admin, schema) > 0, within=10)
             assert await driver.ping() == "pong"
             assert not any(add.done() for add in adds)
             for add in adds:
@@ -488,15 +468,6 @@ async def test_a_table_locked_elsewhere_fails_commands_after_the_lock_timeout_no
     finally:
         await driver.close()
         assert host.stop() == 0
-
-
-def _waiting_on_a_lock(admin: Any, schema: str) -> bool:
-    row = admin.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-        " AND wait_event_type = 'Lock'",
-        (f"queryqueue:{schema}",),
-    ).fetchone()
-    return bool(row and row[0] > 0)
 
 
 async def test_parked_long_polls_rely_on_listen_while_it_is_healthy(
@@ -699,7 +670,7 @@ async def test_a_frozen_connection_fails_after_the_network_timeout_and_the_super
 ) -> None:
     proxy = Proxy()
     try:
-        host = _host(workdir, "a", schema, "--pg-network-timeout", "2", url=proxy.url)
+        host = pg_host(workdir, "a", schema, "--pg-network-timeout", "2", url=proxy.url)
         driver = SocketQueueDriver(host.socket_path)
         try:
             assert (await driver.add("p:a", "{}")).added

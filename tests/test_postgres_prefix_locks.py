@@ -7,30 +7,18 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 
 from queryqueue import SocketQueueDriver
 from queryqueue.driver_postgres.statements import prefix_lock_key
-from queryqueue.supervisor.launch import launch
 from tests.pool_util import ask
-from tests.postgres_util import URL
-from tests.supervisor_util import REPO
+from tests.postgres_util import URL, lock_waiters, pg_host
 from tests.trace import read_trace
 from tests.waiting import wait_until
 
 WORKERS = 4  # as many as the store's lanes: a heartbeat each would take them all
-
-
-def _waiting_on_the_lock(admin: Any, schema: str) -> int:
-    row = admin.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-        " AND wait_event_type = 'Lock'",
-        (f"queryqueue:{schema}",),
-    ).fetchone()
-    return int(row[0]) if row else 0
 
 
 async def test_the_pools_prefix_locked_elsewhere_holds_up_no_other_prefix(
@@ -39,15 +27,11 @@ async def test_the_pools_prefix_locked_elsewhere_holds_up_no_other_prefix(
     from tests.apps.pool_app import six
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    host = launch(
-        workdir / "a.db",
-        workdir / "a.sock",
-        *("--schema", schema, "--app", "tests.apps.pool_app:six"),
+    host = pg_host(
+        workdir, "a", schema, "--app", "tests.apps.pool_app:six",
         *("--workers", str(WORKERS), "--pg-connections", "4", "--pg-lock-timeout", "20"),
-        store=URL,
-        cwd=REPO,
         env={**os.environ, "POOL_HEARTBEAT": "0.25"},  # a heartbeat round every 0.25 s
-    )
+    )  # fmt: skip
     driver = SocketQueueDriver(host.socket_path)
     queue = six.pool_queue(driver, continue_wait_timeout=1.0)
     running = [
@@ -63,14 +47,14 @@ async def test_the_pools_prefix_locked_elsewhere_holds_up_no_other_prefix(
                 "SELECT pg_advisory_lock(hashtextextended(%s, 0))",
                 (prefix_lock_key(schema, "six"),),
             )
-            await wait_until(lambda: _waiting_on_the_lock(other, schema) >= 1, within=10)
+            await wait_until(lambda: lock_waiters(other, schema) >= 1, within=10)
             for i in range(3):
                 added = await asyncio.wait_for(driver.add(f"q:k{i}", "{}"), 1.0)
                 assert added.added
                 stats = await asyncio.wait_for(driver.stats(), 1.0)
                 assert stats["pool"]["alive"] == WORKERS
             # One of its sessions waits on the lock: the heartbeats queue behind it.
-            assert _waiting_on_the_lock(other, schema) == 1
+            assert lock_waiters(other, schema) == 1
             other.execute("SELECT pg_advisory_unlock_all()")
     finally:
         for task in running:

@@ -3,17 +3,14 @@ one fails its query at once with an error naming the limit, its shared memory fr
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from queryqueue import QueryError, SocketQueueDriver
 from queryqueue.driver_socket.segments import SHM_DIR, name_prefix
-from queryqueue.supervisor.launch import launch
 from tests.pool_util import ask
-from tests.postgres_util import URL
-from tests.supervisor_util import REPO
+from tests.postgres_util import pg_host
 from tests.trace import read_trace
 
 MiB = 1024 * 1024
@@ -25,15 +22,10 @@ async def test_a_result_past_the_shared_limit_fails_its_query_naming_the_limit(
     from tests.apps.pool_app import app, big_text
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    host = launch(
-        workdir / "a.db",
-        workdir / "a.sock",
-        *("--schema", schema, "--app", "tests.apps.pool_app:app", "--workers", "2"),
-        *("--max-shared-result", "2"),
-        store=URL,
-        cwd=REPO,
-        env=dict(os.environ),
-    )
+    host = pg_host(
+        workdir, "a", schema, "--app", "tests.apps.pool_app:app", "--workers", "2",
+        "--max-shared-result", "2",
+    )  # fmt: skip
     driver = SocketQueueDriver(host.socket_path)
     queue = app.pool_queue(driver, continue_wait_timeout=5.0)
     try:
