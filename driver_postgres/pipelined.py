@@ -53,6 +53,17 @@ class PipelinedBatches(AckListening):
     @abstractmethod
     def connection(self) -> psycopg.Connection[Any]: ...
 
+    @contextmanager
+    def _unbatched(self) -> Iterator[psycopg.Connection[Any]]:
+        """This thread's connection in a transaction of its own, watched for the network
+        timeout; a database error is a StoreError (the next call reconnects)."""
+        conn = self.connection()
+        try:
+            with self._watchdog.watching(conn), conn.transaction():
+                yield conn
+        except psycopg.Error as exc:
+            raise StoreError(f"the queue database failed: {exc}") from exc
+
     @staticmethod
     def _leave_clean(conn: psycopg.Connection[Any], batch: Batch) -> None:
         """A connection the batch could not leave idle and out of autocommit (a pipeline

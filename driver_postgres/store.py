@@ -453,19 +453,16 @@ class PostgresQueueStore(PipelinedBatches):
         return self._again_if_disconnected(attempt)
 
     def beat_host(self) -> None:
-        """Renew this host's lease on the items it runs (hosts.py), in a transaction of its
-        own (not a batch's: a prefix's lock never holds it up)."""
+        """Renew this host's lease (hosts.py) in a transaction of its own, not a batch's
+        (a prefix's lock never holds it up); a failed one is a StoreError."""
         if self.lease is not None:
-            conn = self.connection()
-            with self._watchdog.watching(conn), conn.transaction():
+            with self._unbatched() as conn:
                 self.lease.beat(conn, self.clock.now_ms())
 
     def close(self) -> None:
         if self.lease is not None and not self._closed:
-            with contextlib.suppress(psycopg.Error, StoreError):
-                conn = self.connection()
-                with self._watchdog.watching(conn), conn.transaction():
-                    self.lease.leave(conn)
+            with contextlib.suppress(StoreError), self._unbatched() as conn:
+                self.lease.leave(conn)
         self._closed = True
         self._stop_thread()
         self._watchdog.close()  # every connection of every thread

@@ -221,7 +221,7 @@ class QueueServer:
         a beat that fails is logged once, until one succeeds again."""
         try:
             await self.store.run_off_loop(self.store.beat_host)
-        except QueueError as exc:
+        except Exception as exc:  # a StoreError, or a bug: the next beat is still due
             if not self._beat_failing:
                 _log.warning("renewing this host's lease on its items failed: %s", exc)
             self._beat_failing = True

@@ -104,6 +104,31 @@ def test_an_item_given_back_is_no_hosts_and_a_closed_host_leaves(
     assert rows is not None and rows[0] == 1  # a's row went with it
 
 
+def test_a_beat_whose_connection_broke_is_a_store_error_and_the_next_renews(
+    hosts: tuple[Any, Any, ManualClock],
+) -> None:
+    from queryqueue import StoreError
+
+    a, _, clock = hosts
+    a.beat_host()
+    with psycopg.connect(URL, autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = %s AND query NOT ILIKE 'LISTEN%%'"
+            " AND pid <> pg_backend_pid()",
+            (f"queryqueue:{a.schema}",),
+        )
+    clock.advance(1_000)
+    try:
+        a.beat_host()  # the broken connection's beat fails as a StoreError, if it notices
+    except StoreError as exc:
+        assert "the queue database failed" in str(exc)
+    a.beat_host()  # the next one reconnects
+    with psycopg.connect(URL, autocommit=True) as admin:
+        rows = admin.execute(f'SELECT seen FROM "{a.schema}".hosts').fetchall()
+    assert [clock.now_ms()] in [list(row) for row in rows]
+
+
 @pytest.mark.parametrize("bad", ["0", "-1", "soon"])
 def test_a_host_timeout_that_is_not_positive_seconds_is_refused_by_name(
     bad: str, tmp_path: Path
