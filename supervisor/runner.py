@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from queryqueue.driver_socket.segments import parse_reference
+from queryqueue.driver_socket.segments import Reference, parse_reference
 from queryqueue.engine.errors import QueueError, ResultTooLargeError
 from queryqueue.engine.waiters import Waiter
 from queryqueue.supervisor.connection import Connection
@@ -111,20 +111,19 @@ class Runner:
             if request.method == "ack" and len(request.args) == 2:
                 try:
                     segments.check_ack(request.args[1])
-                    if shared and parse_reference(request.args[1]) is not None:
+                    if shared and (parsed := parse_reference(request.args[1])) is not None:
                         # Other hosts read this store, not our /dev/shm: it keeps the
                         # result itself (shared memory stays a same-host hand-off).
-                        request.args[1] = self.stored_shared(request.args[1])
+                        request.args[1] = self.stored_shared(request.args[1], parsed)
                 except QueueError as exc:
                     request.refused = exc
         return batch
 
-    def stored_shared(self, reference: str) -> str:
-        """The result in shared memory that `reference` names, as the shared store keeps
-        it; one past the limit is refused (its segment freed), naming the limit."""
-        server, parsed = self.server, parse_reference(reference)
-        limit = server.limits.max_shared_result
-        if parsed is not None and parsed.size > limit:
+    def stored_shared(self, reference: str, parsed: Reference) -> str:
+        """The result in shared memory that `reference` (`parsed`) names, as the shared
+        store keeps it; one past the limit is refused (its segment freed), naming it."""
+        server, limit = self.server, self.server.limits.max_shared_result
+        if parsed.size > limit:
             server.segments.acked(reference, False)
             raise ResultTooLargeError(
                 f"the result is {parsed.size / MiB:.1f} MiB; a store several hosts share"

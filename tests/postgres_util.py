@@ -101,6 +101,20 @@ def lock_waiters(admin: Any, schema: str) -> int:
     return int(row[0]) if row else 0
 
 
+def break_store_connections(schema: str) -> None:
+    """Terminate the command connections of the stores on `schema` (not their LISTEN ones):
+    each store's next command finds its connection broken and reconnects."""
+    import psycopg
+
+    with psycopg.connect(URL, autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = %s AND query NOT ILIKE 'LISTEN%%'"
+            " AND pid <> pg_backend_pid()",
+            (f"queryqueue:{schema}",),
+        )
+
+
 class Proxy:
     """A TCP proxy in front of PostgreSQL, on a thread of its own, to break the network
     the ways a real one breaks: `freeze()` stops forwarding (connections stay open, bytes

@@ -22,7 +22,14 @@ from queryqueue.engine.clock import ManualClock
 from queryqueue.supervisor.launch import SupervisorProcess
 from tests.batches import answers_or_errors
 from tests.pool_util import ask, pool_server
-from tests.postgres_util import URL, Proxy, fresh_schema, lock_waiters, pg_host
+from tests.postgres_util import (
+    URL,
+    Proxy,
+    break_store_connections,
+    fresh_schema,
+    lock_waiters,
+    pg_host,
+)
 from tests.recording import record_calls
 from tests.supervisor_util import close_all
 from tests.trace import max_overlap, read_trace
@@ -600,7 +607,6 @@ async def test_a_long_poll_its_own_ack_answered_is_answered_on_the_loop(
 
 
 def test_after_a_reconnect_active_items_are_not_reaped_for_the_outage(schema: str) -> None:
-    import psycopg
 
     from queryqueue.driver_postgres.store import PostgresQueueStore
     from queryqueue.engine.clock import ManualClock
@@ -611,12 +617,7 @@ def test_after_a_reconnect_active_items_are_not_reaped_for_the_outage(schema: st
         running = store.add("p:running", "{}").id
         store.retrieve(running, concurrency=5)
         clock.advance(100_000)  # an outage longer than any heartbeat timeout...
-        with psycopg.connect(URL, autocommit=True) as admin:  # ...that broke the connection
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name = %s AND query NOT ILIKE 'LISTEN%%'",
-                (f"queryqueue:{schema}",),
-            )
+        break_store_connections(schema)  # ...that broke the connection
         # The first command after it reconnects; the running item was not reaped for it.
         assert store.stalled(50_000, "p") == []
         assert store.reconnects >= 1

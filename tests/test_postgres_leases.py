@@ -15,7 +15,13 @@ import psycopg
 import pytest
 
 from queryqueue.engine.clock import ManualClock
-from tests.postgres_util import URL, drop_schema, fresh_schema, require_postgres
+from tests.postgres_util import (
+    URL,
+    break_store_connections,
+    drop_schema,
+    fresh_schema,
+    require_postgres,
+)
 
 LEASE_S = 5.0
 HEARTBEAT_TIMEOUT_MS = 120_000  # the items' own: minutes, as a 30 s heartbeat makes it
@@ -75,13 +81,7 @@ def test_a_host_back_from_an_outage_refreshes_only_its_own_items(
     b.beat_host()
     assert _stalled(a) == [of_a, of_b]  # nobody beat either item
     # a's connection breaks and comes back: its first command refreshes what it runs.
-    with psycopg.connect(URL, autocommit=True) as admin:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE application_name = %s AND query NOT ILIKE 'LISTEN%%'"
-            " AND pid <> pg_backend_pid()",
-            (f"queryqueue:{a.schema}",),
-        )
+    break_store_connections(a.schema)
     assert _stalled(a) == [of_b]  # b's is still b's to beat, or to lose
     assert a.reconnects >= 1
 
@@ -111,13 +111,7 @@ def test_a_beat_whose_connection_broke_is_a_store_error_and_the_next_renews(
 
     a, _, clock = hosts
     a.beat_host()
-    with psycopg.connect(URL, autocommit=True) as admin:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE application_name = %s AND query NOT ILIKE 'LISTEN%%'"
-            " AND pid <> pg_backend_pid()",
-            (f"queryqueue:{a.schema}",),
-        )
+    break_store_connections(a.schema)
     clock.advance(1_000)
     try:
         a.beat_host()  # the broken connection's beat fails as a StoreError, if it notices
