@@ -33,7 +33,7 @@ from queryqueue.engine.records import new_item
 # An ADD's positional arguments (ADD_AND_RETRIEVE's concurrency third) and its keywords.
 _ADDS = {"add": 2, "add_and_retrieve": 3}
 ADD_KEYWORDS = frozenset(
-    {"priority", "orphaned", "external_id", "exclusive", "process_id", "if_no_result"}
+    {"priority", "orphaned", "external_id", "exclusive", "process_id", "if_no_result", "max_age_ms"}
 )
 ADD_AND_RETRIEVE_KEYWORDS = ADD_KEYWORDS | {"start_query_time", "list_active"}
 # Commands whose key, a path, is the only path whose rows they read or change; those
@@ -52,6 +52,7 @@ class AddAhead:
     key: str
     external_id: str | None
     if_no_result: bool
+    max_age_ms: int | None = None
 
     @property
     def path(self) -> str:
@@ -113,6 +114,7 @@ def _ahead(method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> AddAhead
             v.check_non_negative_ms(
                 "start_query_time", kwargs.get("start_query_time"), nullable=True
             )
+        max_age_ms = v.check_non_negative_ms("max_age_ms", kwargs.get("max_age_ms"), nullable=True)
         item = new_item(
             args[0],
             args[1],
@@ -126,4 +128,6 @@ def _ahead(method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> AddAhead
     except InvalidCommandError:
         return None
     # As the command reads it: any true value asks for an unread result.
-    return AddAhead(item.prefix, item.key, item.external_id, bool(kwargs.get("if_no_result")))
+    return AddAhead(
+        item.prefix, item.key, item.external_id, bool(kwargs.get("if_no_result")), max_age_ms
+    )

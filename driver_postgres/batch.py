@@ -24,10 +24,8 @@ from queryqueue.driver_postgres.statements import (
 )
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import StoreError
-from queryqueue.engine.records import (
-    Item,
-    item_from_row,
-)
+from queryqueue.engine.records import Item, ResultReuse, item_from_row
+from queryqueue.engine.result_rules import SHARED_REFERENCE_MARK
 
 
 class Redo(BaseException):
@@ -176,8 +174,21 @@ class AddReads:
     """An ADD's reads as sent (`send_add_reads`): what they asked, and their answers."""
 
     external_id: str | None
-    since: int | None
+    reuse: ResultReuse | None
     cursors: dict[tuple[Any, ...], Rows]
+
+    @property
+    def since(self) -> int | None:
+        return None if self.reuse is None else self.reuse.since
+
+    def asks_as(self, reuse: ResultReuse | None) -> bool:
+        """Whether they are the reads an ADD reusing `reuse` makes: a result read alone,
+        or read with a max age, or none (the max age itself may differ by the ms between
+        the batch's start and the ADD's turn: a result that turned too old meanwhile is
+        one the ADD inserts for, without the id read ahead)."""
+        if self.reuse is None or reuse is None:
+            return self.reuse is reuse
+        return (self.reuse.fresh_after is None) == (reuse.fresh_after is None)
 
 
 def send_add_reads(
@@ -185,7 +196,7 @@ def send_add_reads(
     prefix: str,
     key: str,
     external_id: str | None,
-    result_since: int | None,
+    reuse: ResultReuse | None,
 ) -> AddReads:
     """The reads an ADD of `prefix:key` may make, and the id it takes if it will insert,
     sent without waiting for their answers; keyed as `PostgresTransaction._read_ahead`
@@ -195,8 +206,8 @@ def send_add_reads(
     cursors: dict[tuple[Any, ...], Rows] = {("find", path): execute(FIND_BY_PATH, (prefix, key))}
     if external_id is not None:
         cursors["external_id", external_id] = execute(EXTERNAL_ID_TAKEN, (external_id,))
-    if result_since is not None:
-        cursors["result", path] = execute(LATEST_RESULT_BY_PATH, (path, result_since))
+    if reuse is not None:
+        cursors["result", path] = execute(LATEST_RESULT_BY_PATH, (path, reuse.since))
     cursors["id", path] = execute(
         ID_IF_INSERTED,
         {
@@ -204,10 +215,12 @@ def send_add_reads(
             "key": key,
             "path": path,
             "external_id": external_id,
-            "since": result_since,
+            "since": None if reuse is None else reuse.since,
+            "fresh": None if reuse is None else reuse.fresh_after,
+            "shared": SHARED_REFERENCE_MARK,
         },
     )
-    return AddReads(external_id, result_since, cursors)
+    return AddReads(external_id, reuse, cursors)
 
 
 class Batch:

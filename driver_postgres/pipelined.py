@@ -35,6 +35,7 @@ from queryqueue.driver_postgres.statements import (
     scalar,
 )
 from queryqueue.driver_postgres.transaction import PostgresTransaction
+from queryqueue.engine.add_rules import reuse_of
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.records import ITEM_COLUMNS
 
@@ -49,6 +50,7 @@ class PipelinedBatches(AckListening):
     _statements: Statements
     network_timeout: float
     connect_timeout: float
+    result_ttl_ms: int
 
     @abstractmethod
     def connection(self) -> psycopg.Connection[Any]: ...
@@ -213,8 +215,9 @@ class PipelinedBatches(AckListening):
         if adds:
             now = self.clock.now_ms()
             for add in adds:
+                reuse = reuse_of(now, add.if_no_result, add.max_age_ms, self.result_ttl_ms)
                 batch.ahead[add.path] = send_add_reads(
-                    execute, add.prefix, add.key, add.external_id, now if add.if_no_result else None
+                    execute, add.prefix, add.key, add.external_id, reuse
                 )
 
     def _broken(self, batch: Batch, exc: psycopg.OperationalError) -> StoreError:

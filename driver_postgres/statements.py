@@ -39,14 +39,16 @@ LATEST_RESULT_BY_PATH = (
 # waits for no answer. Only then: `nextval` is not rolled back, and an id taken by an ADD
 # that joins would be a gap no other store leaves. Whether it inserts is the engine's
 # rule (`QueueStore._joined`) asked of the same rows: no item at the path, its external
-# id nobody's, and no unread result it may be served (`unread_result`). Otherwise NULL,
+# id nobody's, and no result it may be served (`reusable_result`: unread, or with a max
+# age stored within it and not in shared memory). Otherwise NULL,
 # and the INSERT returns its id as it did before.
 ID_IF_INSERTED = (
     "SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM items WHERE prefix = %(prefix)s AND key = %(key)s)"
     " AND (%(external_id)s::text IS NULL"
     "  OR NOT EXISTS (SELECT 1 FROM items WHERE external_id = %(external_id)s))"
     " AND (%(since)s::bigint IS NULL OR NOT COALESCE("
-    "  (SELECT NOT deleted AND (%(external_id)s::text IS NULL OR external_id IS NULL"
+    "  (SELECT (NOT deleted OR (expire > %(fresh)s::bigint AND left(value, 8) <> %(shared)s))"
+    "   AND (%(external_id)s::text IS NULL OR external_id IS NULL"
     "    OR external_id = %(external_id)s)"
     "   FROM results WHERE path = %(path)s AND expire > %(since)s AND NOT taken"
     "   ORDER BY id DESC LIMIT 1), false))"

@@ -29,6 +29,7 @@ from queryqueue.engine.records import (
     STATUS_CODE,
     Item,
     PrefixOverview,
+    ResultReuse,
     inserted_values,
     item_from_row,
 )
@@ -140,7 +141,7 @@ class PostgresTransaction(ResultRows):
 
     # -- items ------------------------------------------------------------------------
 
-    def expect_add(self, item: Item, result_since: int | None) -> None:
+    def expect_add(self, item: Item, reuse: ResultReuse | None) -> None:
         """A pipelined batch's ADD sends its reads together, with its lock, and the id it
         takes if it inserts (`ID_IF_INSERTED`): one round trip for all of them, and its
         INSERT waits for nothing (an idle ADD waited four times: its find, the path's
@@ -153,16 +154,14 @@ class PostgresTransaction(ResultRows):
         self.lock(item.prefix)
         reads = self._batch_ahead.pop(item.path, None)
         if reads is not None and (
-            reads.external_id != item.external_id or (reads.since is None) != (result_since is None)
+            reads.external_id != item.external_id or not reads.asks_as(reuse)
         ):
             # Not the ADD the batch was told of: it reads in its turn, and so do the next
             # ones (the id it takes now must not come after theirs).
             self._batch_ahead.clear()
             reads = None
         if reads is None:
-            reads = send_add_reads(
-                self._c.execute, item.prefix, item.key, item.external_id, result_since
-            )
+            reads = send_add_reads(self._c.execute, item.prefix, item.key, item.external_id, reuse)
         self._ahead.update(reads.cursors)
         self._result_since = reads.since
 

@@ -212,9 +212,12 @@ class SocketQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
         then_wait_ms: int | None = None,
     ) -> AddToQueueResponse:
-        options = _add_options(priority, orphaned, external_id, exclusive, process_id, if_no_result)
+        options = _add_options(
+            priority, orphaned, external_id, exclusive, process_id, if_no_result, max_age_ms
+        )
         answer: AddToQueueResponse = await self._adding(
             "add", [path, payload], options, then_wait_ms
         )
@@ -232,13 +235,16 @@ class SocketQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
         then_wait_ms: int | None = None,
         list_active: bool = True,
     ) -> AddAndRetrieveResponse:
         await self.connection.connected()  # its hello says which prefixes the pool runs
         # The supervisor hands what it retrieves to its pool itself: no hand-off round trip.
         dispatch = not exclusive and path.rpartition(":")[0] in self.pool_prefixes
-        options = _add_options(priority, orphaned, external_id, exclusive, process_id, if_no_result)
+        options = _add_options(
+            priority, orphaned, external_id, exclusive, process_id, if_no_result, max_age_ms
+        )
         answer: AddAndRetrieveResponse = await self._adding(
             "add_and_retrieve",
             [path, payload, concurrency],
@@ -440,9 +446,10 @@ def _add_options(
     exclusive: bool,
     process_id: str | None,
     if_no_result: bool,
+    max_age_ms: int | None,
 ) -> dict[str, Any]:
-    """ADD's keyword arguments as they travel (`if_no_result` only when set: a Cube
-    client's supervisor knows nothing of it)."""
+    """ADD's keyword arguments as they travel (`if_no_result` and `max_age_ms` only when
+    set: a Cube client's supervisor knows nothing of them)."""
     return {
         "priority": priority,
         "orphaned": orphaned,
@@ -450,4 +457,5 @@ def _add_options(
         "exclusive": exclusive,
         "process_id": process_id,
         **({"if_no_result": True} if if_no_result else {}),
+        **({"max_age_ms": max_age_ms} if max_age_ms is not None else {}),
     }

@@ -32,6 +32,7 @@ import orjson
 
 from queryqueue.engine.binary import BinaryResult, from_bytes, read_binary
 from queryqueue.engine.errors import StoreError
+from queryqueue.engine.result_rules import SHARED_REFERENCE_MARK as REFERENCE_MARK
 
 DEFAULT_THRESHOLD = 1024 * 1024
 HEADER = struct.Struct("<8sQ")  # magic, generation
@@ -39,7 +40,6 @@ MAGIC = b"qqresult"
 # The same segment once delivered to a reader: a supervisor that adopts segments after a
 # crash leaves these (whoever waited has it), so a read result never outlives its reader.
 MAGIC_READ = b"qqresred"
-REFERENCE_MARK = '{"$shm":'
 SHM_DIR = Path("/dev/shm")
 MODE = 0o600
 

@@ -20,6 +20,7 @@ from queryqueue.engine.records import (
     STATUS_CODE,
     Item,
     PrefixOverview,
+    ResultReuse,
     StoredResult,
     inserted_values,
     item_from_row,
@@ -141,7 +142,7 @@ class SqliteTransaction:
 
     # -- items ------------------------------------------------------------------------
 
-    def expect_add(self, item: Item, result_since: int | None) -> None:
+    def expect_add(self, item: Item, reuse: ResultReuse | None) -> None:
         pass  # a read costs no round trip here
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:

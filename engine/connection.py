@@ -173,26 +173,30 @@ class QueueConnection:
         exclusive: bool,
         fast_track: bool,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
         then_wait_ms: int | None = None,
         list_active: bool = True,
     ) -> AddedToQueue:
         """`list_active` False: a fast-tracked ADD does not list the active keys (only
         the "Waiting for query" event reads them)."""
         payload = orjson.dumps(query_def).decode()
-        process_id = self.process_uid if exclusive else None
+        options: dict[str, Any] = {
+            "priority": priority,
+            "orphaned": orphaned_timeout,
+            "external_id": external_id,
+            "exclusive": exclusive,
+            "process_id": self.process_uid if exclusive else None,
+            "if_no_result": if_no_result,
+            "max_age_ms": max_age_ms,
+            "then_wait_ms": then_wait_ms,
+        }
         if fast_track:
             both = await self.driver.add_and_retrieve(
                 self.path(query_key_hash),
                 payload,
                 self.concurrency,
-                priority=priority,
-                orphaned=orphaned_timeout,
-                external_id=external_id,
-                exclusive=exclusive,
-                process_id=process_id,
-                if_no_result=if_no_result,
-                then_wait_ms=then_wait_ms,
                 list_active=list_active,
+                **options,
             )
             return AddedToQueue(
                 added=both.added,
@@ -203,17 +207,7 @@ class QueueConnection:
                 active_keys=_keys(both.active),
                 dispatched=both.dispatched,
             )
-        added = await self.driver.add(
-            self.path(query_key_hash),
-            payload,
-            priority=priority,
-            orphaned=orphaned_timeout,
-            external_id=external_id,
-            exclusive=exclusive,
-            process_id=process_id,
-            if_no_result=if_no_result,
-            then_wait_ms=then_wait_ms,
-        )
+        added = await self.driver.add(self.path(query_key_hash), payload, **options)
         return AddedToQueue(
             added=added.added,
             queue_id=added.id,

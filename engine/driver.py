@@ -43,10 +43,12 @@ class QueueDriver(Protocol):
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
         then_wait_ms: int | None = None,
     ) -> AddToQueueResponse:
-        """`then_wait_ms`: the caller will RESULT_BLOCKING the answered id for this long
-        next; a driver may send that with the ADD (one write) and answer the later call
+        """`max_age_ms` (with `if_no_result`): a result of the path younger than that
+        answers too, read before or not. `then_wait_ms`: the caller will RESULT_BLOCKING
+        the answered id for this long next; a driver may send that with the ADD (one write) and answer the later call
         from it. Ignoring it is always correct."""
 
     async def add_and_retrieve(
@@ -61,6 +63,7 @@ class QueueDriver(Protocol):
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
         then_wait_ms: int | None = None,
         list_active: bool = True,
     ) -> AddAndRetrieveResponse:
@@ -159,6 +162,7 @@ class LocalQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
         then_wait_ms: int | None = None,  # in process: nothing to save
     ) -> AddToQueueResponse:
         return await self.store.run_off_loop(
@@ -171,6 +175,7 @@ class LocalQueueDriver:
             exclusive=exclusive,
             process_id=process_id,
             if_no_result=if_no_result,
+            max_age_ms=max_age_ms,
         )
 
     async def add_and_retrieve(
@@ -185,6 +190,7 @@ class LocalQueueDriver:
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
         then_wait_ms: int | None = None,
         list_active: bool = True,
     ) -> AddAndRetrieveResponse:
@@ -199,6 +205,7 @@ class LocalQueueDriver:
             exclusive=exclusive,
             process_id=process_id,
             if_no_result=if_no_result,
+            max_age_ms=max_age_ms,
             list_active=list_active,
         )
 

@@ -15,6 +15,7 @@ from queryqueue.engine.clock import Clock
 from queryqueue.engine.records import (
     Item,
     PrefixOverview,
+    ResultReuse,
     StoredResult,
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
@@ -42,7 +43,7 @@ class MemoryTransaction:
 
     # -- items ------------------------------------------------------------------------
 
-    def expect_add(self, item: Item, result_since: int | None) -> None:
+    def expect_add(self, item: Item, reuse: ResultReuse | None) -> None:
         pass
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:

@@ -194,6 +194,7 @@ class QueryQueue:
         stage_query_key: Any = None,
         view: bool = False,
         execution_timeout: float | None = None,
+        max_age: float | None = None,
     ) -> Any:
         """Enqueue (or join) a query and wait for its result, however long it takes.
 
@@ -202,12 +203,16 @@ class QueryQueue:
         `QueryCancelledError` if cancelled, `QueryError` if its handler failed. `view`:
         answer a `ResultView` (a binary result read in place until released).
         `execution_timeout`: seconds its execution may take, where shorter than its
-        handler's and queue's (set by the call that enqueues it, not one that joins it)."""
+        handler's and queue's (set by the call that enqueues it, not one that joins it).
+        `max_age`: a stored result of the query younger than that many seconds answers,
+        read before or not (None: its handler policy's, if any; else only an unread one)."""
         if timeout is not None and not timeout > 0:
             raise InvalidCommandError(f"timeout must be positive seconds, got {timeout!r}")
+        if max_age is None and (policy := self.handler_policies.get(query_handler)):
+            max_age = policy.max_age
         request = Request(
             query_handler, query_key, query, priority, stage_query_key, request_id, None, view,
-            execution_timeout,
+            execution_timeout, max_age,
         )  # fmt: skip
         # The loop's clock bounds every wait too, reconnecting to a driver's server included.
         bound = asyncio.timeout(None if timeout is None else timeout + BOUND_SLACK_S)

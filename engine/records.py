@@ -117,6 +117,16 @@ class PrefixOverview:
     oldest_created: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class ResultReuse:
+    """Which of the path's results an ADD may be answered from, as of `since` (ms): an
+    unread one, or with `fresh_after` set one read already whose expiry is later than
+    that (it was stored within the caller's max age)."""
+
+    since: int
+    fresh_after: int | None = None
+
+
 class StoreTransaction(Protocol):
     """Persistence hooks, all called inside one atomic transaction.
 
@@ -127,9 +137,9 @@ class StoreTransaction(Protocol):
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None: ...
 
-    def expect_add(self, item: Item, result_since: int | None) -> None:
+    def expect_add(self, item: Item, reuse: ResultReuse | None) -> None:
         """An ADD of `item` comes next: what it may read (the item at its path, the path's
-        latest result at `result_since` if given, the owner of its external id) and the
+        latest result it may `reuse`, if any, the owner of its external id) and the
         id it would take may be asked for now, together. A store whose reads cost no
         round trip ignores this; the reads themselves still come, in the usual order."""
         ...

@@ -47,6 +47,9 @@ class Request:
     # Seconds its execution may take, where shorter than its handler's and queue's: the
     # item's, set by the call that enqueues it (a call that joins it does not change it).
     execution_timeout: float | None = None
+    # Seconds old a stored result may be and still answer, read before or not (None:
+    # only a result nobody has read).
+    max_age: float | None = None
 
 
 class RequestSide:
@@ -120,13 +123,12 @@ class RequestSide:
             raise InvalidCommandError(
                 f"Priority should be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority!r}"
             )
-        timeout = request.execution_timeout
-        if timeout is not None and (
-            not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0
-        ):
-            raise InvalidCommandError(
-                f"execution_timeout must be positive seconds, got {timeout!r}"
-            )
+        for name in ("execution_timeout", "max_age"):
+            seconds = getattr(request, name)
+            if seconds is not None and (
+                not isinstance(seconds, int | float) or isinstance(seconds, bool) or not seconds > 0
+            ):
+                raise InvalidCommandError(f"{name} must be positive seconds, got {seconds!r}")
         if self.queue._closed:
             raise QueueClosedError(f"the queue {self.queue.prefix!r} is closed")
         if request.query_handler == STREAM_HANDLER:
@@ -168,6 +170,7 @@ class RequestSide:
         except TypeError as exc:
             raise InvalidCommandError(f"the stage query key must be JSON: {exc}") from None
         is_stream = request.query_handler == STREAM_HANDLER
+        reuse = not is_stream and not flags.get("forceBuild")
         return await self.queue.connection.add_to_queue(
             query_key_hash,
             query_def,
@@ -177,7 +180,9 @@ class RequestSide:
             exclusive=is_stream,
             fast_track=self.queue.fast_track and request.priority >= FAST_TRACK_PRIORITY,
             # A result that landed since our RESULT read answers: never a second run.
-            if_no_result=not is_stream and not flags.get("forceBuild"),
+            if_no_result=reuse,
+            # A result read already answers too while younger than the call's max age.
+            max_age_ms=None if request.max_age is None or not reuse else _ms(request.max_age),
             then_wait_ms=then_wait_ms,
             # The active keys are the "Waiting for query" event's: listed for a listener.
             list_active=self.queue.events.wanted(ev.WAITING_FOR_QUERY),
@@ -281,3 +286,7 @@ def _external_id(request_id: str | None) -> str | None:
     if len(external_id) > MAX_EXTERNAL_ID_LENGTH:
         external_id = hash_query_key(external_id)
     return external_id
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))

@@ -1,11 +1,15 @@
 """Who may read which result: the rules RESULT, RESULT_BLOCKING and ADD's `if_no_result`
-share (Cube Store's: by path a result is consumed by its first read; by queue id or by
+(with its `max_age_ms`) share (Cube Store's: by path a result is consumed by its first read; by queue id or by
 external id it reads many times while it lives)."""
 
 from __future__ import annotations
 
 from queryqueue.engine.records import Item, StoreTransaction, result_response
 from queryqueue.engine.responses import QueueId, QueueKey, ResultResponse
+
+# How a result stored in shared memory starts: its value is a reference to the bytes
+# (`{"$shm": name, ...}`), which live while it is unread or being read.
+SHARED_REFERENCE_MARK = '{"$shm":'
 
 
 def lookup_result(
@@ -48,11 +52,21 @@ def blocking_lookup(tx: StoreTransaction, key: QueueKey, now: int) -> ResultResp
     return found
 
 
-def unread_result(tx: StoreTransaction, new: Item, now: int) -> QueueId | None:
-    """The id of `new.path`'s latest result if nobody has read it yet (and it may be
-    served to `new`'s external id)."""
+def reusable_result(
+    tx: StoreTransaction, new: Item, now: int, fresh_after: int | None = None
+) -> QueueId | None:
+    """The id of `new.path`'s latest result if nobody has read it yet, or if it was read
+    but expires after `fresh_after` (it is young enough for the caller), and it may be
+    served to `new`'s external id. A result read already whose bytes are in shared memory
+    is not: its segment went back to the pool with the read."""
     found = tx.latest_result_by_path(new.path, now)
-    if found is None or found.deleted:
+    if found is None:
+        return None
+    if found.deleted and (
+        fresh_after is None
+        or found.expire <= fresh_after
+        or found.value.startswith(SHARED_REFERENCE_MARK)
+    ):
         return None
     if new.external_id is not None and found.external_id not in (None, new.external_id):
         return None

@@ -31,12 +31,15 @@ T = TypeVar("T")
 class HandlerPolicy:
     """How a handler's failures are retried: `retries` more attempts at most, for the
     exceptions of `retry_on`, `backoff` seconds before the first retry (doubled after);
-    and how long its queries may run, attempts included (None: the queue's timeout)."""
+    how long its queries may run, attempts included (None: the queue's timeout); and how
+    old a stored result may be that answers its calls instead of a run (`max_age`
+    seconds; None: only one nobody has read yet)."""
 
     retries: int = 0
     retry_on: tuple[type[BaseException], ...] = (Exception,)
     backoff: float = 0.5
     execution_timeout: float | None = None
+    max_age: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
@@ -50,6 +53,12 @@ class HandlerPolicy:
             raise ValueError(
                 f"execution_timeout must be positive seconds, not {self.execution_timeout!r}"
             )
+        if self.max_age is not None and not self.max_age > 0:
+            raise ValueError(f"max_age must be positive seconds, not {self.max_age!r}")
+
+    def applies(self) -> bool:
+        """Whether it differs from the default (a handler without one has none kept)."""
+        return self != DEFAULT_POLICY
 
     def budget(self, queue_timeout: float, query_def: Mapping[str, Any] | None = None) -> float:
         """Seconds a query has, all attempts: the handler's own timeout within the queue's,

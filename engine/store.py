@@ -18,12 +18,13 @@ from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from queryqueue.engine import validation as v
+from queryqueue.engine.add_rules import joined as joined_by
+from queryqueue.engine.add_rules import reuse_of
 from queryqueue.engine.aio import wait_within
 from queryqueue.engine.clock import Clock, SystemClock
 from queryqueue.engine.commands import queue_command
 from queryqueue.engine.errors import (
     ExclusiveAccessError,
-    ExternalIdConflictError,
     InvalidCommandError,
 )
 from queryqueue.engine.group_commit import GroupCommit
@@ -44,13 +45,12 @@ from queryqueue.engine.responses import (
     AddAndRetrieveResponse,
     AddToQueueResponse,
     QueryDefResponse,
-    QueueId,
     QueueKey,
     ResultResponse,
     ResultStatus,
     RetrieveResponse,
 )
-from queryqueue.engine.result_rules import blocking_lookup, lookup_result, unread_result
+from queryqueue.engine.result_rules import blocking_lookup, lookup_result
 from queryqueue.engine.retrieve_next import RetrieveNext
 from queryqueue.engine.upkeep import Upkeep
 from queryqueue.engine.waiters import AckEvent, ResultWaiters, SlotWatchers, Waiter
@@ -104,12 +104,15 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, MaintenanceCommands, Ret
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
     ) -> AddToQueueResponse:
         """QUEUE ADD [EXCLUSIVE] [PRIORITY n] [ORPHANED s] [EXTERNAL_ID e] path payload.
 
         `if_no_result` (our extension; Cube clients never send it): a result of the path
         that nobody has read yet answers instead, as a joined item (`added` False, its
-        id), so a caller whose RESULT came just before the ACK runs nothing twice."""
+        id), so a caller whose RESULT came just before the ACK runs nothing twice. With
+        `max_age_ms`, so does one read already if it was stored within that many ms
+        (kept in shared memory, it is not: see `reusable_result`)."""
         new = new_item(
             path,
             payload,
@@ -120,8 +123,9 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, MaintenanceCommands, Ret
             process_id,
             self.clock.now_ms(),
         )
+        reuse = reuse_of(new.created, if_no_result, max_age_ms, self.result_ttl_ms)
         with self._atomic() as tx:
-            joined = self._joined(tx, new, if_no_result)
+            joined = joined_by(tx, new, reuse)
             if joined is not None:
                 pending, _ = tx.counts(new.prefix)
                 return AddToQueueResponse(id=joined, added=False, pending=pending)
@@ -142,6 +146,7 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, MaintenanceCommands, Ret
         exclusive: bool = False,
         process_id: str | None = None,
         if_no_result: bool = False,
+        max_age_ms: int | None = None,
         start_query_time: int | None = None,
         list_active: bool = True,
     ) -> AddAndRetrieveResponse:
@@ -159,11 +164,12 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, MaintenanceCommands, Ret
             process_id,
             self.clock.now_ms(),
         )
+        reuse = reuse_of(new.created, if_no_result, max_age_ms, self.result_ttl_ms)
         v.check_concurrency(concurrency)
         v.check_non_negative_ms("start_query_time", start_query_time, nullable=True)
         v.check_bool("list_active", list_active)
         with self._atomic() as tx:
-            joined = self._joined(tx, new, if_no_result)
+            joined = joined_by(tx, new, reuse)
             pending, active = tx.counts(new.prefix)
             retrieved: str | None = None
             if joined is not None:
@@ -185,35 +191,6 @@ class QueueStore(GroupCommit, OffLoop, ListingCommands, MaintenanceCommands, Ret
                 payload=retrieved,
                 extra=None,
             )
-
-    def _joined(self, tx: StoreTransaction, new: Item, if_no_result: bool) -> QueueId | None:
-        """What an ADD of `new` joins instead of inserting: the item at its path, or with
-        `if_no_result` the path's unread result; None when it inserts."""
-        tx.expect_add(new, since := self.clock.now_ms() if if_no_result else None)
-        existing = self._find_for_add(tx, new)
-        if existing is not None:
-            return existing.id
-        return None if since is None else unread_result(tx, new, since)
-
-    @staticmethod
-    def _find_for_add(tx: StoreTransaction, new: Item) -> Item | None:
-        """The item already at `new.path`, after applying the re-ADD rule; raises on an
-        EXTERNAL_ID held by another item."""
-        existing = tx.find(new.path)
-        if existing is not None:
-            if (
-                existing.status == "pending"
-                and existing.orphaned is not None
-                and new.orphaned is not None
-                and new.orphaned > existing.orphaned
-            ):
-                tx.set_orphaned(existing, new.orphaned)
-            return existing
-        if new.external_id is not None and tx.external_id_taken(new.external_id):
-            raise ExternalIdConflictError(
-                f"external id {new.external_id!r} is already used by another queued item"
-            )
-        return None
 
     # -- QUEUE RETRIEVE ----------------------------------------------------------------
 

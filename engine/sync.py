@@ -56,6 +56,7 @@ class SyncQueryQueue:
         timeout: float | None = None,
         request_id: str | None = None,
         execution_timeout: float | None = None,
+        max_age: float | None = None,
     ) -> Any:
         """`QueryQueue.run`, blocking: the result, or its error."""
         return self._call(
@@ -67,6 +68,7 @@ class SyncQueryQueue:
                 timeout=timeout,
                 request_id=request_id,
                 execution_timeout=execution_timeout,
+                max_age=max_age,
             )
         )
 

@@ -9,21 +9,20 @@ from __future__ import annotations
 import sys
 
 import polars as pl
-from duckdb_app import app
+from duckdb_app import app, run_scalar, run_sql
 
 SQL = "SELECT i AS id, i * 0.5 AS value, 'row ' || i AS name FROM range(?) t(i)"
 
 
 def main(rows: int) -> int:
     try:
-        table = app.run_sync("sql", {"sql": SQL, "params": [rows]})
+        table = run_sql.run_sync({"sql": SQL, "params": [rows]})
         frame = table.to_pandas()  # pandas, from the Arrow table
         print("pandas", len(frame), frame["value"].sum())
         polars = pl.from_arrow(table)  # Polars, sharing its buffers
         assert isinstance(polars, pl.DataFrame)
         print("polars", polars.height, polars["id"].max())
-        one = app.run_sync(
-            "scalar",
+        one = run_scalar.run_sync(
             {
                 "sql": "SELECT 12.50::DECIMAL(10,2) AS price, DATE '2026-12-01' AS day, "
                 "TIMESTAMPTZ '2026-12-01 09:30:00+00' AS at"

@@ -1,4 +1,4 @@
-"""An async endpoint: `await app.run(...)` waits for the pool's result.
+"""An async endpoint: `await run_sql.run(...)` waits for the pool's result.
 
 uvicorn fastapi_app:api     (with the supervisor of queries.py running)
 """
@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
-from queries import app
+from queries import app, run_sql
 
 from queryqueue import QueryError, QueryTimeoutError
 
@@ -32,7 +32,7 @@ async def squares(n: int) -> dict[str, Any]:
     )
     try:
         # Identical requests in flight share one execution; priority 10 is the fast track.
-        rows = await app.run("sql", {"sql": sql, "params": [n]}, priority=10, timeout=30)
+        rows = await run_sql.run({"sql": sql, "params": [n]}, priority=10, timeout=30)
     except QueryTimeoutError:
         raise HTTPException(status_code=504, detail="the query took too long") from None
     except QueryError as exc:

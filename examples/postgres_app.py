@@ -8,7 +8,7 @@ Each worker process opens its pool once, in its start hook, and closes it in its
     queryqueue supervisor --db pg.db --app postgres_app:threaded   # the sync handler
 
     # then, from any process:
-    rows = await app.run("sql", "slow-report", {"sql": "SELECT pg_sleep(0.05), 42"})
+    rows = await run_sql.run({"sql": "SELECT pg_sleep(0.05), 42"}, key="slow-report")
 
 Needs `pip install 'queryqueue[postgres]'` (psycopg and psycopg-pool).
 """

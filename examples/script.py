@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import sys
 
-from queries import app
+from queries import app, run_sql
 
 from queryqueue import QueryError
 
 
 def main(sql: str) -> int:
     try:
-        rows = app.run_sync("sql", {"sql": sql})
+        rows = run_sql.run_sync({"sql": sql})
     except QueryError as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1

@@ -6,9 +6,9 @@ urgent work goes first, and callers wait for results across processes.
     app = QueueApp("sql", concurrency=4)
 
     @app.handler("sql")
-    def run_sql(query, set_cancel_handler): ...
+    def run_sql(query: dict[str, Any]) -> list[list[Any]]: ...
 
-    rows = await app.run("sql", ["SELECT 1"], {"sql": "SELECT 1"})   # or app.run_sync(...)
+    rows = await run_sql.run({"sql": "SELECT 1"})   # or run_sql.run_sync(...)
 
 Every public name is importable from here; the subpackages (`queryqueue.engine`, the
 stores, `queryqueue.supervisor`) are the implementation and may move.
@@ -55,6 +55,7 @@ from queryqueue.engine.store import QueueStore
 from queryqueue.engine.stream import QueryStream
 from queryqueue.engine.sync import SyncQueryQueue
 from queryqueue.engine.version import package_version
+from queryqueue.handles import QueryHandle
 
 if TYPE_CHECKING:
     from queryqueue.driver_postgres import PostgresQueueStore
@@ -77,6 +78,7 @@ __all__ = [
     "PostgresQueueStore",
     "QueryCancelledError",
     "QueryError",
+    "QueryHandle",
     "QueryHandler",
     "QueryQueue",
     "QueryStream",

@@ -3,11 +3,12 @@
     app = QueueApp("sql", concurrency=4)
 
     @app.handler("sql")
-    def run_sql(query, set_cancel_handler): ...
+    def run_sql(query: str) -> list[Row]: ...
 
 The supervisor loads it (`--app pkg.module:app`) to run handlers in its worker pool;
-request processes call `await app.run(...)` (or `app.run_sync(...)` without an event
-loop) against the same supervisor, and the pool runs the query whatever its priority.
+request processes call `await run_sql.run(query)` (or `run_sql.run_sync(query)` without
+an event loop; `app.run("sql", query)` by name) against the same supervisor, and the pool
+runs the query whatever its priority.
 """
 
 from __future__ import annotations
@@ -29,21 +30,15 @@ from queryqueue.driver_socket.client import SocketQueueDriver
 from queryqueue.engine.codec import Codecs
 from queryqueue.engine.driver import QueueDriver
 from queryqueue.engine.events import EventLogger
-from queryqueue.engine.handlers import (
-    CancelHandler,
-    Handler,
-    SendProcessMessage,
-    StreamHandler,
-    as_query_handler,
-)
+from queryqueue.engine.handlers import CancelHandler, Handler, SendProcessMessage, StreamHandler
 from queryqueue.engine.queue import QueryQueue
 from queryqueue.engine.retrying import HandlerPolicy
 from queryqueue.engine.store import QueueStore
 from queryqueue.engine.sync import SyncQueryQueue
+from queryqueue.handles import Registration
 from queryqueue.hooks import Hook, WorkerHooks, checked
 
 F = TypeVar("F", bound=Callable[..., Any])
-H = TypeVar("H", bound=Handler)
 K = TypeVar("K", bound=Hook)
 
 
@@ -115,24 +110,22 @@ class QueueApp:
         retry_on: tuple[type[BaseException], ...] = (Exception,),
         backoff: float = 0.5,
         execution_timeout: float | None = None,
-    ) -> Callable[[H], H]:
+        max_age: float | None = None,
+    ) -> Registration:
         """Register the query handler `name`: `(query)` or `(query, set_cancel_handler)`,
-        sync or async; its return value is the query's result. Any other signature is a
-        TypeError here (and mypy's error where the decorator is applied). `retries`: run
-        it again, up to that many times, when it raises one of `retry_on` (transient
-        errors of a data source), `backoff` seconds later, doubled each time, with jitter;
-        all attempts share the execution timeout: the queue's, or `execution_timeout` where
-        it is shorter."""
-        policy = HandlerPolicy(retries, retry_on, backoff, execution_timeout)
+        sync or async; its return value is the query's result. It becomes a typed
+        `QueryHandle`: `await handle.run(query)` runs it in the pool, and returns what the
+        function returns; calling the handle calls the function. Any other signature is
+        a TypeError here (and mypy's error where the decorator is applied).
 
-        def register(function: H) -> H:
-            as_query_handler(name, function)  # its shape checked now, not at its first query
-            self.query_handlers[name] = function
-            if retries or execution_timeout is not None:
-                self.handler_policies[name] = policy
-            return function
-
-        return register
+        `retries`: run it again, up to that many times, when it raises one of `retry_on`
+        (transient errors of a data source), `backoff` seconds later, doubled each time,
+        with jitter; all attempts share the execution timeout: the queue's, or
+        `execution_timeout` where it is shorter. `max_age`: the default of its calls'
+        `max_age` (see `run`)."""
+        return Registration(
+            self, name, HandlerPolicy(retries, retry_on, backoff, execution_timeout, max_age)
+        )
 
     def on_worker_start(self, hook: K) -> K:
         """Register `hook()` (sync or async) to run in each worker process before it takes
@@ -223,12 +216,17 @@ class QueueApp:
         timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, like Future.result(timeout)
         request_id: str | None = None,
         execution_timeout: float | None = None,
+        max_age: float | None = None,
     ) -> Any:
         """Run the query in the supervisor's pool (or join an identical one in flight) and
         return its result: `QueryQueue.run` on this process's queue. `key`: what makes two
         calls the same query, sharing one execution (None: the query itself, so identical
         queries share and different ones never do). `execution_timeout`: seconds its
-        execution may take, where shorter than its handler's and queue's."""
+        execution may take, where shorter than its handler's and queue's. `max_age`:
+        answer from the query's stored result if it is younger than that many seconds,
+        read before or not, without running it again (None: the handler's `max_age`, if
+        it has one; else only a result nobody has read yet). A handle's `run` is this,
+        typed."""
         return await self.client_queue().run(
             query_handler,
             query if key is None else key,
@@ -237,6 +235,7 @@ class QueueApp:
             timeout=timeout,
             request_id=request_id,
             execution_timeout=execution_timeout,
+            max_age=max_age,
         )
 
     @contextlib.asynccontextmanager
@@ -275,6 +274,7 @@ class QueueApp:
         timeout: float | None = None,
         request_id: str | None = None,
         execution_timeout: float | None = None,
+        max_age: float | None = None,
     ) -> Any:
         """`run` for code without an event loop (a Flask or Django view, a thread): blocks
         until the result. Nothing runs in this process, whatever the priority."""
@@ -286,6 +286,7 @@ class QueueApp:
             timeout=timeout,
             request_id=request_id,
             execution_timeout=execution_timeout,
+            max_age=max_age,
         )
 
     def sync_queue(self) -> SyncQueryQueue:

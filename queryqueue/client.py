@@ -3,7 +3,7 @@
     from queryqueue import Client
 
     client = Client("/run/queryqueue/supervisor.sock")
-    rows = await client.run("warehouse", "sql", ["SELECT 1"], {"sql": "SELECT 1"})
+    rows = await client.run("warehouse", "sql", {"sql": "SELECT 1"})
 
 A web process need not import what a worker needs to run a query (a warehouse driver,
 pyarrow, duckdb): the supervisor's pool runs it, with the budget and timeouts the
@@ -69,14 +69,16 @@ class Client:
         timeout: float | None = None,  # noqa: ASYNC109 - the caller's deadline, as app.run's
         request_id: str | None = None,
         execution_timeout: float | None = None,
+        max_age: float | None = None,
     ) -> Any:
         """Run `query_handler` of `queue` on `query` in the supervisor's pool (or join an
         identical one in flight) and return its result. `key`: what makes two calls the
-        same query (None: the query itself); `execution_timeout` as `QueueApp.run`'s."""
+        same query (None: the query itself); `execution_timeout` and `max_age` as
+        `QueueApp.run`'s."""
         return await self.queue(queue).run(
             query_handler, query if key is None else key, query,
             priority=priority, timeout=timeout, request_id=request_id,
-            execution_timeout=execution_timeout,
+            execution_timeout=execution_timeout, max_age=max_age,
         )  # fmt: skip
 
     def run_sync(
@@ -90,6 +92,7 @@ class Client:
         timeout: float | None = None,
         request_id: str | None = None,
         execution_timeout: float | None = None,
+        max_age: float | None = None,
     ) -> Any:
         """`run` for code without an event loop (a Flask or Django view, a thread)."""
         face = self._sync.get((os.getpid(), queue))
@@ -98,7 +101,7 @@ class Client:
         return face.run(
             query_handler, query if key is None else key, query,
             priority=priority, timeout=timeout, request_id=request_id,
-            execution_timeout=execution_timeout,
+            execution_timeout=execution_timeout, max_age=max_age,
         )  # fmt: skip
 
     async def aclose(self) -> None:

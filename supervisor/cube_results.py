@@ -15,13 +15,14 @@ import orjson
 from queryqueue.engine.binary import INLINE_MARK, parse_inline, read_arrow, read_binary
 from queryqueue.engine.codec import Codecs
 from queryqueue.engine.errors import ResultTooLargeError
+from queryqueue.engine.result_rules import SHARED_REFERENCE_MARK
 
 DEFAULT_SQL_RESULT_LIMIT = 64 * 1024 * 1024
 
 
 def needs_materialising(payload: str | None) -> bool:
     return payload is not None and (
-        payload.startswith('{"$shm":') or payload.startswith(INLINE_MARK)
+        payload.startswith(SHARED_REFERENCE_MARK) or payload.startswith(INLINE_MARK)
     )
 
 

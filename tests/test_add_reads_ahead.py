@@ -21,7 +21,7 @@ def _paths(commands: list[tuple[Any, ...]], prefix: str = "p") -> list[str]:
 
 def test_adds_of_other_paths_and_their_long_polls_are_read_ahead_up_to_the_acks() -> None:
     commands = [
-        ("add", ("p:a", "{}"), {"if_no_result": True}),
+        ("add", ("p:a", "{}"), {"if_no_result": True, "max_age_ms": 5000}),
         ("result_blocking", [None, 1000], {}),  # the ADD's own long poll
         ("add_and_retrieve", ("p:b", "{}", 2), {"external_id": "e1", "priority": 10}),
         ("add", ("p:c", "{}"), {"external_id": "e2"}),
@@ -30,8 +30,8 @@ def test_adds_of_other_paths_and_their_long_polls_are_read_ahead_up_to_the_acks(
     ]
     assert _paths(commands) == ["p:a", "p:b", "p:c"]
     [first, second, _] = adds_read_ahead(commands, "p")
-    assert (first.if_no_result, first.external_id) == (True, None)
-    assert (second.if_no_result, second.external_id) == (False, "e1")
+    assert (first.if_no_result, first.max_age_ms, first.external_id) == (True, 5000, None)
+    assert (second.if_no_result, second.max_age_ms, second.external_id) == (False, None, "e1")
 
 
 def test_an_add_whose_rows_changed_before_it_ends_the_adds_read_ahead() -> None:

@@ -336,7 +336,7 @@ def test_an_app_reference_that_names_no_queueapp_says_what_the_module_has() -> N
     with pytest.raises(AppNotFoundError, match=r"'aap' is not in tests\.apps\.pool_app, .*"
                        r"did you mean tests\.apps\.pool_app:app\?"):  # fmt: skip
         load_app("tests.apps.pool_app:aap")
-    with pytest.raises(AppNotFoundError, match=r"'run' is a function, not a QueueApp \(its "
+    with pytest.raises(AppNotFoundError, match=r"'run' is a QueryHandle, not a QueueApp \(its "
                        r"QueueApps: app, one, short, single, six, three\)"):  # fmt: skip
         load_app("tests.apps.pool_app:run")
     with pytest.raises(AppNotFoundError, match=r"tests\.waiting defines no QueueApp"):

@@ -1407,6 +1407,10 @@ def test_an_add_takes_an_id_ahead_only_when_it_inserts() -> None:
         ("add", ("p:c", "{}"), {"external_id": "e3"}),  # refused
         ("add_and_retrieve", ("p:d", "{}", 5), {"if_no_result": True}),
         ("add", ("p:e", "{}"), {}),
+        ("ack", ("p:a", '"r3"'), {}),
+        ("result", ("p:a",), {}),  # consumed
+        ("add", ("p:a", "{}"), {"if_no_result": True, "max_age_ms": 60_000}),  # joins it
+        ("add", ("p:a", "{}"), {"max_age_ms": 60_000}),  # asks no result: inserts
     ]
     try:
         for name, args, kwargs in script:
@@ -1418,6 +1422,41 @@ def test_an_add_takes_an_id_ahead_only_when_it_inserts() -> None:
             else:
                 assert got == expected, (name, args, kwargs)
         assert [row.id for row in store.pending("p")] == [row.id for row in model.pending("p")]
+    finally:
+        store.close()
+
+
+def test_adds_with_a_max_age_read_ahead_join_or_insert_as_one_by_one() -> None:
+    """A batch's ADDs with a max age, read with its first statements: one whose path's
+    result was read already but is young enough joins it, taking no id; one whose result
+    is too old inserts with the id it read ahead; the answers are the in-memory store's."""
+    from queryqueue.engine.clock import ManualClock
+    from queryqueue.engine.memory_store import MemoryQueueStore
+    from tests.postgres_util import postgres_store
+
+    clock = ManualClock()
+    model = MemoryQueueStore(clock=clock)
+    store = postgres_store(clock=clock)
+    try:
+        for target in (model, store):
+            for key in ("p:young", "p:old"):
+                target.ack(target.add(key, "{}").id, '"r"')
+                target.result(key)  # read by path: consumed
+        clock.advance(30_000)
+        script: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+            ("add", ("p:young", "{}"), {"if_no_result": True, "max_age_ms": 60_000}),
+            ("add", ("p:old", "{}"), {"if_no_result": True, "max_age_ms": 20_000}),
+            ("add", ("p:new", "{}"), {"if_no_result": True, "max_age_ms": 60_000}),
+        ]
+        expected = [getattr(model, name)(*args, **kw) for name, args, kw in script]
+        assert [(a.id, a.added) for a in expected] == [(1, False), (3, True), (4, True)]
+
+        def work() -> list[Any]:
+            store.expect([(name, args, kw) for name, args, kw in script])
+            return [getattr(store, name)(*args, **kw) for name, args, kw in script]
+
+        assert store.batched(work, lambda _: None, prefix="p") == expected
+        assert store.add("p:next", "{}") == model.add("p:next", "{}")  # no gap before it
     finally:
         store.close()
 

@@ -123,6 +123,7 @@ def test_the_classes_a_user_calls_say_what_each_public_method_does() -> None:
     from queryqueue import (
         Client,
         Codecs,
+        QueryHandle,
         QueryQueue,
         QueryStream,
         QueueApp,
@@ -134,7 +135,8 @@ def test_the_classes_a_user_calls_say_what_each_public_method_does() -> None:
     undocumented = [
         cls.__name__ for cls in (SocketQueueDriver,) if not (inspect.getdoc(cls) or "").strip()
     ]
-    for cls in (QueueApp, Client, QueryQueue, SyncQueryQueue, QueryStream, ResultView, Codecs):
+    classes = (QueueApp, QueryHandle, Client, QueryQueue, SyncQueryQueue, QueryStream, ResultView)
+    for cls in (*classes, Codecs):
         members = [("", cls)] + [
             (name, getattr(cls, name)) for name in vars(cls) if not name.startswith("_")
         ]

@@ -105,6 +105,40 @@ def test_an_add_if_no_result_joins_an_unread_result_and_only_that(store: QueueSt
     assert store.add(path("c"), payload()).added
 
 
+def test_an_add_with_a_max_age_joins_a_result_read_already_while_it_is_young_enough(
+    store: QueueStore, clock: ManualClock
+) -> None:
+    """A result read before answers an ADD whose caller accepts its age (`max_age_ms`),
+    unread or not, by path or by id; one older than that, or one in shared memory once
+    read, does not: the ADD inserts, and the query runs again."""
+    first = store.add(path("a"), payload()).id
+    store.ack(first, payload(r=1))
+    assert store.result(path("a")) is not None  # read by path: consumed
+    clock.advance(10_000)
+    for joined in (
+        store.add(path("a"), payload(), if_no_result=True, max_age_ms=10_001),
+        store.add_and_retrieve(path("a"), payload(), 5, if_no_result=True, max_age_ms=60_000),
+    ):
+        assert (joined.id, joined.added) == (first, False)
+    found = store.result(first)  # read many times by id, while it lives
+    assert found is not None and found.payload == payload(r=1)
+    assert store.list_items(P) == []
+    # Without the flag the age asks nothing; past the age, the ADD inserts.
+    assert store.add(path("b"), payload(), max_age_ms=60_000).added
+    store.cancel(path("b"))
+    too_old = store.add(path("a"), payload(), if_no_result=True, max_age_ms=10_000)
+    assert too_old.added and too_old.id != first
+    # A result in shared memory is a reference to bytes its read gave back: never reused.
+    store.cancel(too_old.id)
+    shared = store.add(path("s"), payload()).id
+    store.ack(shared, '{"$shm": "qq-x", "gen": 1, "size": 10}')
+    assert store.result(path("s")) is not None
+    assert store.add(path("s"), payload(), if_no_result=True, max_age_ms=60_000).added
+    with pytest.raises(InvalidCommandError, match="max_age_ms"):
+        store.add(path("c"), payload(), if_no_result=True, max_age_ms=-1)
+    assert [row.id for row in store.list_items(P)] == ["s"]
+
+
 def test_ids_are_not_reused_after_ack_cancel_or_truncate(store: QueueStore) -> None:
     a = store.add(path("a"), payload()).id
     store.ack(a, None)
