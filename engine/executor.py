@@ -123,9 +123,7 @@ class Executor:
             # Not waited for: it goes out ahead of anything the handler sends, and the ACK
             # waits for it (side tasks end first), so the handler starts a round trip sooner
             # and a store outage right now costs only this record, not the run.
-            execution.side_tasks.add(
-                asyncio.ensure_future(self._record(execution, {"startQueryTime": start}))
-            )
+            record(self.queue, execution, {"startQueryTime": start})
         self.queue.events.emit(
             ev.PERFORMING_QUERY,
             {**context, "timeInQueue": start - query.get("addedToQueueTime", start)},
@@ -142,7 +140,9 @@ class Executor:
         try:
             result = await retrying.attempts(
                 functools.partial(self._run_handler, execution, watch), policy, execution.timeout,
-                self.queue.clock, retrying.reporting(self.queue.events, context),
+                self.queue.clock, retrying.reporting(
+                    self.queue.events, context, functools.partial(record, self.queue, execution)
+                ),
             )  # fmt: skip
             self.queue.events.emit(
                 ev.PERFORMING_COMPLETED, {**context, "duration": _ms_since(started)}
@@ -268,14 +268,11 @@ class Executor:
             if run is not None and watch is not None and watch.carry_cancel_handler(run, value):
                 return
 
-            def record() -> None:
-                task = asyncio.ensure_future(self._record(execution, {"cancelHandler": value}))
-                execution.side_tasks.add(task)
-
+            keep = functools.partial(record, self.queue, execution, {"cancelHandler": value})
             if _in_loop(loop):
-                record()
+                keep()
             else:
-                loop.call_soon_threadsafe(record)
+                loop.call_soon_threadsafe(keep)
 
         return set_cancel_handler
 
@@ -384,19 +381,6 @@ class Executor:
         cancelled or timed out, which Python cannot stop (a worker process can be)."""
         return self._in_threads.running
 
-    async def _record(self, execution: Execution, patch: dict[str, Any]) -> None:
-        """Merge `patch` into the item's extra; a failure is logged, not raised."""
-        retrieved = execution.retrieved
-        try:
-            await self.queue.connection.optimistic_query_update(
-                retrieved.query_key_hash, patch, retrieved.queue_id
-            )
-        except Exception as exc:
-            self.queue.events.emit(
-                ev.ERROR_QUERY_UPDATE,
-                {**execution_context(self.queue.prefix, retrieved), "error": repr(exc)},
-            )
-
     async def _heartbeat(self, execution: Execution, context: dict[str, Any]) -> None:
         retrieved = execution.retrieved
         conn = self.queue.connection
@@ -474,3 +458,22 @@ def _quietly(task: asyncio.Task[Any]) -> None:
     return_exceptions did), so Python does not report it as never retrieved."""
     if not task.cancelled():
         task.exception()
+
+
+def record(queue: QueryQueue, execution: Execution, patch: dict[str, Any]) -> None:
+    """Merge `patch` into the item's extra, beside the run (a side task: the ACK waits for
+    it); a failure is logged, not raised."""
+    execution.side_tasks.add(asyncio.ensure_future(_record(queue, execution, patch)))
+
+
+async def _record(queue: QueryQueue, execution: Execution, patch: dict[str, Any]) -> None:
+    retrieved = execution.retrieved
+    try:
+        await queue.connection.optimistic_query_update(
+            retrieved.query_key_hash, patch, retrieved.queue_id
+        )
+    except Exception as exc:
+        queue.events.emit(
+            ev.ERROR_QUERY_UPDATE,
+            {**execution_context(queue.prefix, retrieved), "error": repr(exc)},
+        )

@@ -86,13 +86,16 @@ DEFAULT_POLICY = HandlerPolicy()
 
 
 def reporting(
-    events: Events, context: dict[str, Any]
+    events: Events, context: dict[str, Any], record: Callable[[dict[str, Any]], None]
 ) -> Callable[[int, BaseException, float], None]:
-    """What tells `events` of a retry of the execution whose event fields are `context`."""
+    """What tells of a retry of the execution whose event fields are `context`: `events`,
+    and its item (`record` merges the next attempt's number into its extra, where
+    `queryqueue status` and the supervisor's metrics see it)."""
 
     def retrying(attempt: int, error: BaseException, delay: float) -> None:
         fields = {"attempt": attempt, "error": repr(error), "retryIn": round(delay, 3)}
         events.emit(RETRYING_QUERY, {**context, **fields})
+        record({"attempt": attempt + 1})
 
     return retrying
 

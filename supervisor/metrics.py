@@ -83,6 +83,12 @@ class Metrics:
             ["prefix"],
             registry=r,
         )
+        self.retries = Counter(
+            "queryqueue_retries",
+            "Handler attempts run again after a transient failure (a handler's retries=)",
+            ["prefix", "handler"],
+            registry=r,
+        )
         self.cancellations = Counter(
             "queryqueue_cancellations", "Items removed by CANCEL", ["prefix"], registry=r
         )
@@ -137,6 +143,10 @@ class Metrics:
                 self.fast_track_hits.labels(prefix).inc()
         elif method == "cancel" and answer is not None:
             self.cancellations.labels(prefix).inc()
+
+    def retried(self, path: str, handler: str) -> None:
+        """A worker said its query's handler runs again (its item's extra has `attempt`)."""
+        self.retries.labels(path.rpartition(":")[0] or path, handler).inc()
 
     def failed(self, method: str, seconds: float) -> None:
         self.command_seconds.labels(method).observe(seconds)

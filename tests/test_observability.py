@@ -140,10 +140,15 @@ async def test_metrics_count_executions_and_dedup_hits_per_prefix(
         urgent = await queue.execute_in_queue(
             "sql", "urgent", {"key": "urgent", "seconds": 0.01}, priority=10
         )
+        # One whose handler fails twice with a transient error: retried, answered once.
+        flaky = await queue.run("flaky", "flaky", {"key": "flaky"}, timeout=60)
+    assert flaky == {"key": "flaky", "attempts": 3}
     assert urgent["key"] == "urgent"
     assert [a["key"] for a in answers] == ["m0", "m1", "m2", "shared", "shared", "shared"]
     after = _samples(site.get("/metrics")[2])
-    assert after[ok] == 5  # five executions, all ok
+    assert after[ok] == 6  # six executions, all ok
+    retries = (("handler", "flaky"), ("prefix", "pool"))
+    assert after[("queryqueue_retries_total", retries)] == 2
     assert after[("queryqueue_fast_track_hits_total", (("prefix", "pool"),))] == 1
     assert after[dedup] >= 2  # the two callers that joined "shared"
     assert after[("queryqueue_workers_alive", ())] == 2

@@ -12,6 +12,7 @@ import pytest
 from queryqueue import MemoryQueueStore, QueryCancelledError, QueryError, QueueApp
 from queryqueue.engine.errors import InvalidCommandError, QueryTimeoutError
 from queryqueue.engine.retrying import HandlerPolicy
+from tests.waiting import wait_until
 
 
 def _app(fails: int, *, error: type[Exception] = ConnectionError, **options: Any) -> QueueApp:
@@ -139,5 +140,37 @@ async def test_a_calls_own_execution_timeout_bounds_the_query_it_enqueues() -> N
             with pytest.raises(InvalidCommandError, match="execution_timeout must be positive"):
                 await queue.run("wait", "bad", {"seconds": 0}, execution_timeout=bad)  # type: ignore[arg-type]
         assert await queue.connection.get_to_process_queries() == []
+    finally:
+        await queue.close(grace=0)
+
+
+async def test_a_retry_marks_the_running_items_attempt() -> None:
+    """Each retry writes the attempt it starts into the item's extra, where `queryqueue
+    status` and the supervisor's metrics see it while the query runs."""
+    app = QueueApp("marked")
+    release, calls = asyncio.Event(), []
+
+    @app.handler("flaky", retries=2, retry_on=(ConnectionError,), backoff=0.01)
+    async def flaky(query: Any) -> str:
+        calls.append(query)
+        if len(calls) <= 2:
+            raise ConnectionError(f"attempt {len(calls)} failed")
+        await release.wait()
+        return "done"
+
+    queue = app.make_queue(MemoryQueueStore())
+
+    async def attempt() -> Any:
+        running = await queue.get_queries()
+        return running[0].get("attempt") if running else None
+
+    async def third() -> bool:  # marked as it is scheduled, then started
+        return await attempt() == 3 and len(calls) == 3
+
+    try:
+        asking = asyncio.create_task(queue.run("flaky", "k", {}))
+        await wait_until(third, what="the item's third attempt, running")
+        release.set()
+        assert await asking == "done"
     finally:
         await queue.close(grace=0)

@@ -36,6 +36,18 @@ def run(query: Any, set_cancel_handler: Any) -> Any:
     return {"key": query["key"], "pid": os.getpid()}
 
 
+_failed: dict[str, int] = {}
+
+
+@app.handler("flaky", retries=2, retry_on=(ConnectionError,), backoff=0.01)
+def flaky(query: Any) -> Any:
+    """Fails twice with a transient error for each key, then answers."""
+    _failed[query["key"]] = failures = _failed.get(query["key"], 0) + 1
+    if failures <= 2:
+        raise ConnectionError(f"attempt {failures} of {query['key']} failed")
+    return {"key": query["key"], "attempts": failures}
+
+
 @app.handler("gated")
 def gated(query: Any, set_cancel_handler: Any) -> Any:
     """Runs until the test removes the file named by $POOL_GATE: holds its slot for as
