@@ -62,7 +62,7 @@ CALLER = textwrap.dedent(
     """
     import json, os, sys, threading
     from queryqueue import QueryError
-    from mymod import app
+    from mymod import app, echo
 
     def outcome(call):
         try:
@@ -75,7 +75,7 @@ CALLER = textwrap.dedent(
     if mode == "echo":
         print(json.dumps({
             "pid": os.getpid(),
-            "low": outcome(lambda: app.run_sync("echo", {"x": 1})),
+            "low": outcome(lambda: echo.run_sync({"x": 1})),  # the handler's handle
             "urgent": outcome(lambda: app.run_sync("echo", {"x": 2}, priority=10)),
         }))
     elif mode == "hand-built":

@@ -136,5 +136,7 @@ async def test_a_handle_runs_its_handler_in_the_pool_and_reuses_its_result(
             assert await pool_app.big.run(big) == expected
             assert await pool_app.big.run(big, max_age=60) == expected
             assert starts("b") == 2
+            async with pool_app.big.view(big) as viewed:  # text: a private copy
+                assert viewed == expected
         finally:
             await pool_app.app.aclose()
