@@ -1,4 +1,5 @@
-"""The supervisor process: protocol, bad input, fuzzing, group commit, shutdown, crash recovery."""
+"""The supervisor process: its protocol, bad input, fuzzing, group commit, the command line,
+and a forked client."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import socket
 import struct
 import subprocess
@@ -20,14 +20,8 @@ from typing import Any
 import orjson
 import pytest
 
-from queryqueue import (
-    ExternalIdConflictError,
-    InvalidCommandError,
-    SocketQueueDriver,
-    SqliteQueueStore,
-)
+from queryqueue import ExternalIdConflictError, SocketQueueDriver
 from tests.supervisor_util import REPO, SupervisorProcess, start_supervisor
-from tests.waiting import wait_until_sync
 
 
 @pytest.fixture
@@ -83,23 +77,6 @@ class RawClient:
         self.sock.close()
 
 
-def test_socket_is_private_and_commands_round_trip(supervisor: SupervisorProcess) -> None:
-    assert oct(supervisor.socket_path.stat().st_mode & 0o777) == "0o600"
-    client = RawClient(supervisor.socket_path)
-    try:
-        added = client.ask(
-            {"id": 1, "cmd": "add", "args": ["p:k", "{}"], "kwargs": {"priority": 3}}
-        )
-        assert added == {"id": 1, "ok": {"id": 1, "added": True, "pending": 1}}
-        rows = client.ask({"id": "two", "sql": "QUEUE LIST 'p'"})
-        assert rows == {
-            "id": "two",
-            "rows": [{"id": "k", "queue_id": "1", "status": "pending", "extra": None}],
-        }
-    finally:
-        client.close()
-
-
 BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"id": 1, "cmd": "fly"}, "unknown command 'fly'"),
     ({"id": 2, "cmd": "add", "args": ["p:k"]}, "add: wrong arguments"),
@@ -120,6 +97,92 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"id": 11, "cmd": "result_blocking", "args": [1, -5]}, "timeout must be between 0 and"),
     ({"id": 12, "cmd": "hello", "kwargs": {"process_id": 5}}, "process_id must be a string"),
 ]
+
+
+FUZZ_COMMANDS: list[Any] = [
+    *("add", "retrieve", "ack", "result", "get", "cancel", "list_items", "pending"),
+    *("to_cancel", "merge_extra", "heartbeat", "hello", "stats", "nope", None, 3),
+]
+
+
+FUZZ_VALUES: list[Any] = [
+    *(None, True, -1, 0, 2**70, 1.5, "", "fz", "other:x", "{", "{}", [], {}, "x" * 600),
+]
+
+
+def _fuzzed_frame(rng: random.Random, sent: int) -> bytes:
+    """Random bytes, a random SQL-text command, or a JSON command of random arguments
+    (never of the "fz" prefix: the kept item must survive whatever was sent)."""
+    roll = rng.random()
+    if roll < 0.2:
+        return rng.randbytes(rng.randrange(0, 64))
+    if roll < 0.3:
+        verb = rng.choice(["ADD", "GET", "ACK", "LIST", "X"])
+        words = [
+            rng.choice(["'other:a'", "99999", "NULL", "'{}'", "PRIORITY"])
+            for _ in range(rng.randrange(4))
+        ]
+        return orjson.dumps({"id": sent, "sql": f"QUEUE {verb} " + " ".join(words)})
+    args = [rng.choice(FUZZ_VALUES) for _ in range(rng.randrange(4))]
+    if args and isinstance(args[0], str) and args[0].startswith("fz"):
+        args[0] = "other:" + args[0]
+    kwargs = (
+        {rng.choice(["priority", "process_id", "limit", "x"]): rng.choice(FUZZ_VALUES)}
+        if rng.random() < 0.3
+        else {}
+    )
+    message = {"id": sent, "cmd": rng.choice(FUZZ_COMMANDS), "args": args, "kwargs": kwargs}
+    return json.dumps(message).encode()  # stdlib json: integers of any size
+
+
+FORK_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from queryqueue.driver_socket.client import SocketQueueDriver
+
+    driver = SocketQueueDriver(sys.argv[1])
+
+    async def use(tag):
+        added = await driver.add(f"fork:{tag}", "{}")
+        stats = await driver.stats()
+        return added.added, stats["connections"]
+
+    print("parent", *asyncio.run(use("before")), flush=True)
+    pid = os.fork()
+    if pid == 0:
+        # the child inherits the driver object and must open its own connection
+        added, connections = asyncio.run(use("child"))
+        os._exit(0 if added and driver.connection.link is not None else 3)
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status), flush=True)
+    print("parent", *asyncio.run(use("after")), flush=True)
+    """
+)
+
+
+async def _pending_keys(socket_path: Path, prefix: str) -> list[str]:
+    driver = SocketQueueDriver(socket_path)
+    try:
+        return [row.id for row in await driver.pending(prefix)]
+    finally:
+        await driver.close()
+
+
+def test_socket_is_private_and_commands_round_trip(supervisor: SupervisorProcess) -> None:
+    assert oct(supervisor.socket_path.stat().st_mode & 0o777) == "0o600"
+    client = RawClient(supervisor.socket_path)
+    try:
+        added = client.ask(
+            {"id": 1, "cmd": "add", "args": ["p:k", "{}"], "kwargs": {"priority": 3}}
+        )
+        assert added == {"id": 1, "ok": {"id": 1, "added": True, "pending": 1}}
+        rows = client.ask({"id": "two", "sql": "QUEUE LIST 'p'"})
+        assert rows == {
+            "id": "two",
+            "rows": [{"id": "k", "queue_id": "1", "status": "pending", "extra": None}],
+        }
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize(
@@ -183,77 +246,12 @@ def test_fuzzed_frames_never_take_the_server_down(supervisor: SupervisorProcess)
     keeper = RawClient(supervisor.socket_path)
     keeper.ask({"id": 0, "cmd": "add", "args": ["fz:keep", '{"keep":true}']})
     before = keeper.ask({"id": 0, "sql": "QUEUE LIST WITH_PAYLOAD 'fz'"})
-    commands = [
-        "add",
-        "retrieve",
-        "ack",
-        "result",
-        "get",
-        "cancel",
-        "list_items",
-        "pending",
-        "to_cancel",
-        "merge_extra",
-        "heartbeat",
-        "hello",
-        "stats",
-        "nope",
-        None,
-        3,
-    ]
-    values: list[Any] = [
-        None,
-        True,
-        -1,
-        0,
-        2**70,
-        1.5,
-        "",
-        "fz",
-        "other:x",
-        "{",
-        "{}",
-        [],
-        {},
-        "x" * 600,
-    ]
     deadline = time.monotonic() + 3.0
     sent = 0
     client = RawClient(supervisor.socket_path)
     try:
         while time.monotonic() < deadline:
-            roll = rng.random()
-            if roll < 0.2:
-                body = rng.randbytes(rng.randrange(0, 64))
-            elif roll < 0.3:
-                body = orjson.dumps(
-                    {
-                        "id": sent,
-                        "sql": "QUEUE "
-                        + rng.choice(["ADD", "GET", "ACK", "LIST", "X"])
-                        + " "
-                        + " ".join(
-                            rng.choice(["'other:a'", "99999", "NULL", "'{}'", "PRIORITY"])
-                            for _ in range(rng.randrange(4))
-                        ),
-                    }
-                )
-            else:
-                args = [rng.choice(values) for _ in range(rng.randrange(4))]
-                # fuzz other prefixes only: the kept item must survive whatever was sent
-                if args and isinstance(args[0], str) and args[0].startswith("fz"):
-                    args[0] = "other:" + args[0]
-                message: dict[str, Any] = {
-                    "id": sent,
-                    "cmd": rng.choice(commands),
-                    "args": args,
-                    "kwargs": {
-                        rng.choice(["priority", "process_id", "limit", "x"]): rng.choice(values)
-                    }
-                    if rng.random() < 0.3
-                    else {},
-                }
-                body = json.dumps(message).encode()  # stdlib json: integers of any size
+            body = _fuzzed_frame(rng, sent)
             client.send_raw(struct.pack(">I", len(body)) + body)
             reply = client.receive()
             assert "ok" in reply or "error" in reply or "rows" in reply
@@ -303,34 +301,6 @@ async def test_pipelined_commands_from_many_clients_answer_as_if_alone(
             await driver.close()
 
 
-async def test_sigterm_answers_parked_long_polls_and_checkpoints(workdir: Path) -> None:
-    supervisor = start_supervisor(workdir / "queue.db", workdir / "s.sock")
-    driver = SocketQueueDriver(supervisor.socket_path, reconnect_timeout=0.5)
-    try:
-        queued = await driver.add("sd:k", "{}")
-        parked = asyncio.create_task(driver.result_blocking(queued.id, 60_000))
-        await asyncio.sleep(0)
-        deadline = time.monotonic() + 10
-        while (await driver.stats())["waiters"] != 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
-        started = time.monotonic()
-        supervisor.process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(parked, 10) is None  # the timeout answer, not an error
-        assert time.monotonic() - started < 10
-        assert await asyncio.to_thread(supervisor.process.wait, 20) == 0
-    finally:
-        await driver.close()
-        supervisor.stop()
-    wal = workdir / "queue.db-wal"
-    assert not wal.exists() or wal.stat().st_size == 0
-    store = SqliteQueueStore(workdir / "queue.db")
-    try:
-        assert [row.id for row in store.pending("sd")] == ["k"]
-    finally:
-        store.close()
-
-
 def test_cli_status_and_sql(supervisor: SupervisorProcess) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "QUERYQUEUE_SOCKET": str(supervisor.socket_path)}
 
@@ -356,142 +326,12 @@ def test_cli_status_and_sql(supervisor: SupervisorProcess) -> None:
     assert gone.returncode == 1 and "no supervisor" in gone.stderr
 
 
-CRASH_CLIENT = textwrap.dedent(
-    """
-    import asyncio, sys
-    from queryqueue.engine.errors import QueueError
-    from queryqueue.engine.queue import QueryQueue
-    from queryqueue.driver_socket.client import SocketQueueDriver
-
-    socket_path, name, count, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-
-    async def handler(query, set_cancel_handler):
-        # Any client may run any client's item: the query names its key.
-        with open(log, "a") as out:
-            out.write(f"exec {query['key']}\\n")
-        await asyncio.sleep(0.005)
-        return query["i"] * 2
-
-    async def main():
-        driver = SocketQueueDriver(socket_path, reconnect_timeout=60)
-        def events(message, fields):
-            if message not in ("Added to queue", "Waiting for query", "Performing query",
-                               "Performing query completed", "Finished waiting for query"):
-                with open(log + ".events", "a") as out:
-                    out.write(f"{message} {fields.get('queryKey')} {fields.get('error', '')}\\n")
-
-        queue = QueryQueue("crash", query_handlers={"h": handler}, driver=driver, concurrency=3, logger=events,
-                           continue_wait_timeout=0.5, heartbeat_interval=1.0, orphaned_timeout=60)
-        for i in range(count):
-            while True:
-                try:
-                    key = f"{name}-{i}"
-                    result = await queue.execute_in_queue("h", key, {"key": key, "i": i}, 10 if i % 3 == 0 else 0)
-                    break
-                except QueueError:  # continue wait, supervisor away: ask again
-                    await asyncio.sleep(0.02)
-            assert result == i * 2, (i, result)
-            print(f"done {name}-{i}", flush=True)
-        await queue.shutdown()
-        await driver.close()
-
-    asyncio.run(main())
-    """
-)
-
-
-def test_kill_9_supervisor_loses_nothing_and_clients_resume(workdir: Path) -> None:
-    db, sock = workdir / "queue.db", workdir / "s.sock"
-    supervisor = start_supervisor(db, sock)
-    count = 120
-    logs = [workdir / f"client{i}.log" for i in range(3)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    clients = [
-        subprocess.Popen(
-            [sys.executable, "-c", CRASH_CLIENT, str(sock), f"c{i}", str(count), str(logs[i])],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(3)
-    ]
-    try:
-        for threshold in (60, 180):  # twice, while every client is mid-stream
-            _wait_for_lines(logs, threshold)
-            supervisor.kill9()
-            assert sum(_lines(log) for log in logs) < 3 * count
-            supervisor = start_supervisor(db, sock)  # same database, same socket
-        outputs = [client.communicate(timeout=120) for client in clients]
-        for client, (out, err) in zip(clients, outputs, strict=True):
-            assert client.returncode == 0, err[-3000:]
-            assert out.count("done ") == count
-    finally:
-        for client in clients:
-            if client.poll() is None:
-                client.kill()
-                client.wait(timeout=20)
-        supervisor.stop()
-    executions: dict[str, int] = {}
-    for log in logs:
-        for line in log.read_text().splitlines():
-            executions[line.split()[1]] = executions.get(line.split()[1], 0) + 1
-    assert sorted(executions) == sorted(f"c{c}-{i}" for c in range(3) for i in range(count))
-    twice = {key: n for key, n in executions.items() if n != 1}
-    events = "".join(p.read_text() for p in workdir.glob("*.events"))
-    assert not twice, (
-        f"executed more than once: {twice}; events: {events[-4000:]}"
-    )  # nothing re-run
-    store = SqliteQueueStore(db)
-    try:
-        assert store.list_items("crash") == []  # nothing left pending or wedged active
-    finally:
-        store.close()
-
-
-def _wait_for_lines(logs: list[Path], threshold: int) -> None:
-    wait_until_sync(
-        lambda: sum(_lines(log) for log in logs) >= threshold, within=60, what="clients at work"
-    )
-
-
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
 def test_tcp_listener_is_loopback_only() -> None:
     from queryqueue.engine.memory_store import MemoryQueueStore
     from queryqueue.supervisor.server import QueueServer
 
     with pytest.raises(ValueError, match="loopback"):
         QueueServer(MemoryQueueStore(), "/tmp/unused.sock", tcp_host="0.0.0.0")
-    with pytest.raises(InvalidCommandError):
-        raise InvalidCommandError("sanity")
-
-
-FORK_SCRIPT = textwrap.dedent(
-    """
-    import asyncio, os, sys
-    from queryqueue.driver_socket.client import SocketQueueDriver
-
-    driver = SocketQueueDriver(sys.argv[1])
-
-    async def use(tag):
-        added = await driver.add(f"fork:{tag}", "{}")
-        stats = await driver.stats()
-        return added.added, stats["connections"]
-
-    print("parent", *asyncio.run(use("before")), flush=True)
-    pid = os.fork()
-    if pid == 0:
-        # the child inherits the driver object and must open its own connection
-        added, connections = asyncio.run(use("child"))
-        os._exit(0 if added and driver.connection.link is not None else 3)
-    _, status = os.waitpid(pid, 0)
-    print("child", os.waitstatus_to_exitcode(status), flush=True)
-    print("parent", *asyncio.run(use("after")), flush=True)
-    """
-)
 
 
 def test_a_forked_child_opens_its_own_connection(supervisor: SupervisorProcess) -> None:
@@ -508,11 +348,3 @@ def test_a_forked_child_opens_its_own_connection(supervisor: SupervisorProcess) 
     assert lines[2].startswith("parent True")
     keys = asyncio.run(_pending_keys(supervisor.socket_path, "fork"))
     assert keys == ["before", "child", "after"]
-
-
-async def _pending_keys(socket_path: Path, prefix: str) -> list[str]:
-    driver = SocketQueueDriver(socket_path)
-    try:
-        return [row.id for row in await driver.pending(prefix)]
-    finally:
-        await driver.close()
