@@ -215,20 +215,11 @@ async def test_failed_spawns_are_retried_and_the_pool_says_it_is_short(
     assert "the pool has 0 of 2 workers" in caplog.text
 
 
-async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The ACK's commit ends a worker's query: its next is sent to it in that same turn,
-    with no word from the worker. Killed right then, holding that next query (sent, maybe
-    not started): the acknowledged query is not reclaimed (its result stands), and the one
-    sent goes back to the queue and runs in a live worker."""
-    from queryqueue.supervisor.server import QueueServer
-    from tests.apps.pool_app import app as pool_app
-
-    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    store = MemoryQueueStore()
-    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
-    server = QueueServer(store, workdir / "s.sock", pool=pool)
+def _kill_as_its_ack_commits(
+    monkeypatch: pytest.MonkeyPatch, server: Any, pool: WorkerPool
+) -> list[tuple[int, str, Any]]:
+    """Once: the worker whose ACK a batch settled, killed right after the settle sent it
+    its next query; (its pid, that query's path, the acknowledged queue id)."""
     killed: list[tuple[int, str, Any]] = []
     settle = server.runner.settle
 
@@ -247,6 +238,24 @@ async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
                 os.kill(worker.process.pid, signal.SIGKILL)
 
     monkeypatch.setattr(server.runner, "settle", settle_then_kill)
+    return killed
+
+
+async def test_a_worker_killed_as_its_ack_commits_loses_nothing(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ACK's commit ends a worker's query: its next is sent to it in that same turn,
+    with no word from the worker. Killed right then, holding that next query (sent, maybe
+    not started): the acknowledged query is not reclaimed (its result stands), and the one
+    sent goes back to the queue and runs in a live worker."""
+    from queryqueue.supervisor.server import QueueServer
+    from tests.apps.pool_app import app as pool_app
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    store = MemoryQueueStore()
+    pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=2)
+    server = QueueServer(store, workdir / "s.sock", pool=pool)
+    killed = _kill_as_its_ack_commits(monkeypatch, server, pool)
     await server.start()
     driver = SocketQueueDriver(server.socket_path)
     queue = pool_app.pool_queue(driver)
@@ -401,6 +410,16 @@ class _Pipe:
         pass
 
 
+def _active(store: MemoryQueueStore, keys: tuple[str, ...]) -> dict[str, int]:
+    """Items `p:<key>`, added and retrieved (active), by key."""
+    ids = {}
+    for key in keys:
+        ids[key] = store.add(f"p:{key}", "{}").id
+        retrieved = store.retrieve(f"p:{key}", concurrency=len(keys))
+        assert retrieved is not None and retrieved.id == ids[key]
+    return ids
+
+
 async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_nothing(
     workdir: Path,
 ) -> None:
@@ -414,11 +433,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
 
     store = MemoryQueueStore()
     pool = WorkerPool("tests.apps.pool_app:app", workdir / "s.sock", store, workers=1)
-    ids = {}
-    for key in ("a", "b", "c", "d"):
-        ids[key] = store.add(f"p:{key}", "{}").id
-        retrieved = store.retrieve(f"p:{key}", concurrency=4)
-        assert retrieved is not None and retrieved.id == ids[key]
+    ids = _active(store, ("a", "b", "c", "d"))
 
     def job(key: str) -> Any:
         return slots.Job(ids[key], f"p:{key}", key.encode())
@@ -433,9 +448,9 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
     pipe = _Pipe()
     worker = slots.Worker(_Process(), pipe)
 
-    def holds() -> tuple[str | None, str | None, str | None]:
+    def holds() -> tuple[str | None, ...]:
         """What the worker runs, whose ACK is committing, what it ended last."""
-        return tuple(  # type: ignore[return-value]
+        return tuple(
             None if j is None else j.path[2:] for j in (worker.job, worker.acking, worker.finished)
         )
 
