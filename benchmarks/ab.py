@@ -76,13 +76,13 @@ def one_run(queries: int, options: list[str]) -> dict[str, Any]:
     import psutil
 
     import queryqueue
-    from benchmarks import ours
+    from benchmarks import drive
 
-    with ours.supervisor_for("--synchronous", "NORMAL", *options) as supervisor:
+    with drive.supervisor_for("--synchronous", "NORMAL", *options) as supervisor:
         process = psutil.Process(supervisor.pid)
         sched, switches = _schedstat(supervisor.pid), process.num_ctx_switches()
         began = time.monotonic()
-        run = ours.drive(supervisor, ours._noop_shares(queries, 4, "ab"), in_flight=64)
+        run = drive.drive(supervisor, drive.noop_shares(queries, 4, "ab"), in_flight=64)
         elapsed = time.monotonic() - began
         sched_after, switches_after = _schedstat(supervisor.pid), process.num_ctx_switches()
     assert run.cpu_by_role is not None  # drive() reads it: the supervisor's CPU, timed

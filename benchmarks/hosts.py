@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.ours import Job, _row, drive, postgres_hosts, postgres_unavailable
+from benchmarks.drive import Job, drive, postgres_hosts, postgres_unavailable
+from benchmarks.ours import summary_row
 
 APP = "hosts"  # benchmarks.bench_app:hosts, budget 6
 HOSTS = (1, 2, 3)
@@ -49,7 +50,7 @@ def rows(n: int, reps: int) -> list[dict[str, Any]]:
                     ]
                     runs.append(drive(hosts, shares, in_flight=IN_FLIGHT, app_name=APP))
             rates = [len(run.records) / run.wall for run in runs]
-            row = _row(
+            row = summary_row(
                 "hosts",
                 f"queryqueue ({count} host{'s' if count > 1 else ''}, {label} queries)",
                 runs,

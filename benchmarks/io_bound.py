@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import peers
+from benchmarks.drive import POSTGRES_URL, REPO, Job, drive, postgres_unavailable
 from benchmarks.measure import TreeMeter, quantiles, spread
-from benchmarks.ours import POSTGRES_URL, REPO, Job, drive, postgres_unavailable
 from queryqueue.supervisor.launch import SupervisorProcess, launch
 
 APP = "benchmarks.bench_app:io"
@@ -88,7 +88,7 @@ def ours(n: int, reps: int, seconds: float = 0.1) -> list[dict[str, Any]]:
             rss.append(meter.peak_rss / MiB)
             errors += run.errors
         rows.append(
-            _row(
+            summary_row(
                 f"queryqueue ({workers} workers x {each}, {form} handler)",
                 n, rates, latencies, rss, best,
                 settings=f"--workers {workers} --worker-concurrency {each}, budget {BUDGET},"
@@ -130,7 +130,7 @@ def postgres_example(n: int, reps: int, seconds: float = 0.05) -> list[dict[str,
         rss.append(meter.peak_rss / MiB)
         errors += run.errors
     return [
-        _row(
+        summary_row(
             system, n, rates, latencies, rss, ideal(n, seconds, budget),
             settings=f"2 workers x 16 (the example's app), budget {budget}, SELECT"
             f" pg_sleep({seconds}) on local PostgreSQL; RSS: supervisor and workers",
@@ -159,7 +159,7 @@ def peer_rows(n: int, reps: int, seconds: float = 0.1) -> list[dict[str, Any]]:
         records = [[r for share in run["by_share"] for r in share] for run in runs]
         rates = [len(rs) / (max(r[1] for r in rs) - min(r[0] for r in rs)) for rs in records]
         rows.append(
-            _row(
+            summary_row(
                 peers.LABELS[peer.name], n, rates,
                 [[r[1] - r[0] for r in rs] for rs in records],
                 [run["peak_rss"] / MiB for run in runs], best,
@@ -170,7 +170,7 @@ def peer_rows(n: int, reps: int, seconds: float = 0.1) -> list[dict[str, Any]]:
     return rows
 
 
-def _row(
+def summary_row(
     system: str,
     n: int,
     rates: list[float],

@@ -30,74 +30,45 @@ from measure import TreeMeter, quantiles, redis_server_pids  # noqa: E402
 BIN = Path(sys.executable).parent
 
 
+def _bin(name: str, arguments: str) -> list[str]:
+    return [str(BIN / name), *arguments.split()]
+
+
 def worker_commands(peer: str) -> tuple[list[list[str]], dict[str, str]]:
     """The commands that start 2 worker processes, and their non-default settings."""
-    if peer == "huey-sqlite":
-        # Huey polls SQLite: its defaults (0.1 s, backing off to 10 s) would add up to
-        # seconds of latency to an idle queue; 10 ms to 100 ms is the fair setting.
-        return [
-            [
-                str(BIN / "huey_consumer"),
-                "peer_tasks.huey",
-                "-k",
-                "process",
-                "-w",
-                "2",
-                "-d",
-                "0.01",
-                "-m",
-                "0.1",
-                "-C",
-                "-q",
-            ]
-        ], {
-            "consumer": "-k process -w 2 -d 0.01 -m 0.1 (polling 10-100 ms)",
-            "result wait": "get(blocking=True, max_delay=0.1)",
-        }
-    if peer == "huey-redis":
-        return [
-            [str(BIN / "huey_consumer"), "peer_tasks.huey", "-k", "process", "-w", "2", "-C", "-q"]
-        ], {"consumer": "-k process -w 2"}
     if peer in ("rq", "rq-simple"):
-        extra = ["-w", "rq.worker.SimpleWorker"] if peer == "rq-simple" else []
-        command = [
-            str(BIN / "rq"),
-            "worker",
-            "--url",
-            os.environ["QQ_REDIS_URL"],
-            "-q",
-            *extra,
-            "high",
-            "default",
-        ]
+        extra = "-w rq.worker.SimpleWorker " if peer == "rq-simple" else ""
+        command = _bin("rq", f"worker --url {os.environ['QQ_REDIS_URL']} -q {extra}high default")
         return [command, command], {
             "workers": "2 x rq worker"
             + (" -w SimpleWorker (no fork per job)" if extra else " (forks per job, the default)"),
             "priorities": "queues 'high' then 'default' (RQ has no per-job priority)",
         }
-    if peer == "celery":
-        return [
-            [
-                str(BIN / "celery"),
-                "-A",
-                "peer_tasks",
-                "worker",
-                "-c",
-                "2",
-                "-P",
-                "prefork",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-l",
-                "WARNING",
-            ]
-        ], {"worker": "-c 2 -P prefork --without-gossip --without-mingle --without-heartbeat"}
-    if peer == "dramatiq":
-        return [[str(BIN / "dramatiq"), "peer_tasks", "--processes", "2", "--threads", "1"]], {
-            "worker": "--processes 2 --threads 1"
-        }
-    raise SystemExit(f"unknown peer {peer}")
+    celery = "-c 2 -P prefork --without-gossip --without-mingle --without-heartbeat"
+    workers = {
+        # Huey polls SQLite: its defaults (0.1 s, backing off to 10 s) would add up to
+        # seconds of latency to an idle queue; 10 ms to 100 ms is the fair setting.
+        "huey-sqlite": (
+            _bin("huey_consumer", "peer_tasks.huey -k process -w 2 -d 0.01 -m 0.1 -C -q"),
+            {
+                "consumer": "-k process -w 2 -d 0.01 -m 0.1 (polling 10-100 ms)",
+                "result wait": "get(blocking=True, max_delay=0.1)",
+            },
+        ),
+        "huey-redis": (
+            _bin("huey_consumer", "peer_tasks.huey -k process -w 2 -C -q"),
+            {"consumer": "-k process -w 2"},
+        ),
+        "celery": (_bin("celery", f"-A peer_tasks worker {celery} -l WARNING"), {"worker": celery}),
+        "dramatiq": (
+            _bin("dramatiq", "peer_tasks --processes 2 --threads 1"),
+            {"worker": "--processes 2 --threads 1"},
+        ),
+    }
+    if peer not in workers:
+        raise SystemExit(f"unknown peer {peer}")
+    command, settings = workers[peer]
+    return [command], settings
 
 
 def submit(tasks, peer: str, name: str, args: tuple, priority: int):

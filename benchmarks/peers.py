@@ -136,7 +136,7 @@ def _records(run: dict[str, Any], shares: slice = slice(None)) -> list[list[floa
     return [r for share in run["by_share"][shares] for r in share]
 
 
-def _row(
+def summary_row(
     workload: str,
     peer: Peer,
     n: int,
@@ -175,7 +175,7 @@ def throughput(peer: Peer, python: Path, n: int, reps: int, producers: int) -> d
     for r in runs:
         records = _records(r)
         rates.append(len(records) / (max(x[1] for x in records) - min(x[0] for x in records)))
-    return _row("throughput", peer, n, runs, answer["settings"], "queries/s", rates)
+    return summary_row("throughput", peer, n, runs, answer["settings"], "queries/s", rates)
 
 
 def idle_latency(peer: Peer, python: Path, n: int, reps: int) -> list[dict[str, Any]]:
@@ -184,7 +184,7 @@ def idle_latency(peer: Peer, python: Path, n: int, reps: int) -> list[dict[str, 
         spec = {"peer": peer.name, "workload": "idle_latency", "n": n, "priority": priority}
         answer = run(python, {**spec, "reps": reps})
         latencies = [[x[1] - x[0] for x in _records(r)] for r in answer["runs"]]
-        row = _row(
+        row = summary_row(
             "idle_latency",
             peer,
             n,
@@ -221,7 +221,7 @@ def priority_burst(
         }
         answer = run(python, {**spec, "reps": reps})
         latencies = [[x[1] - x[0] for x in _records(r, slice(1, None))] for r in answer["runs"]]
-        row = _row(
+        row = summary_row(
             "priority_burst",
             peer,
             urgent,

@@ -31,7 +31,7 @@ def noop() -> int:
     return 1
 
 
-def _row(
+def summary_row(
     workload: str, system: str, n: int, metric: str, values: list[float], **extra: Any
 ) -> dict[str, Any]:
     return {
@@ -58,7 +58,7 @@ def pool_throughput(n: int, reps: int) -> dict[str, Any]:
                 rates.append(n / (time.perf_counter() - started))
         cpu.append(meter.cpu_s / n * 1000)
         rss.append(meter.peak_rss)
-    return _row(
+    return summary_row(
         "throughput",
         "ProcessPoolExecutor (2 workers)",
         n,
@@ -85,7 +85,7 @@ def pool_latency(n: int, reps: int) -> dict[str, Any]:
                 pool.submit(noop).result()
                 latencies.append(time.perf_counter() - started)
         per_run.append(quantiles(latencies))
-    return _row(
+    return summary_row(
         "idle_latency",
         "ProcessPoolExecutor (2 workers)",
         n,
@@ -151,6 +151,33 @@ def _echo_client(path: str, calls: int, in_flight: int, go: Any, out: Any) -> No
     asyncio.run(main())
 
 
+def _echo_run(context: Any, procs: int, flight: int, calls: int) -> tuple[list[Any], float]:
+    """One run of `procs` echo clients of `calls` round trips each: their records, and the
+    CPU seconds of everything it ran."""
+    with tempfile.TemporaryDirectory(prefix="qq-raw-", dir="/tmp") as tmp:
+        path = str(Path(tmp) / "echo.sock")
+        ready = context.Event()
+        server = context.Process(target=_echo_server, args=(path, ready), daemon=True)
+        server.start()
+        ready.wait(30)
+        go, out = context.Event(), context.Queue()
+        clients = [
+            context.Process(target=_echo_client, args=(path, calls, flight, go, out))
+            for _ in range(procs)
+        ]
+        for client in clients:
+            client.start()
+        time.sleep(0.5)  # clients connected and waiting
+        with TreeMeter() as meter:
+            go.set()
+            results = [out.get(timeout=600) for _ in clients]
+        for client in clients:
+            client.join(30)
+        server.kill()
+        server.join(10)
+    return results, meter.cpu_s
+
+
 def raw_socket(n: int, reps: int, producers: int, in_flight: int) -> list[dict[str, Any]]:
     context = multiprocessing.get_context("spawn")
     rows = []
@@ -160,36 +187,16 @@ def raw_socket(n: int, reps: int, producers: int, in_flight: int) -> list[dict[s
     ):
         values, per_run, cpu = [], [], []
         for _ in range(reps):
-            with tempfile.TemporaryDirectory(prefix="qq-raw-", dir="/tmp") as tmp:
-                path = str(Path(tmp) / "echo.sock")
-                ready = context.Event()
-                server = context.Process(target=_echo_server, args=(path, ready), daemon=True)
-                server.start()
-                ready.wait(30)
-                go, out = context.Event(), context.Queue()
-                calls = n // procs if workload == "throughput" else n
-                clients = [
-                    context.Process(target=_echo_client, args=(path, calls, flight, go, out))
-                    for _ in range(procs)
-                ]
-                for client in clients:
-                    client.start()
-                time.sleep(0.5)  # clients connected and waiting
-                with TreeMeter() as meter:
-                    go.set()
-                    results = [out.get(timeout=600) for _ in clients]
-                for client in clients:
-                    client.join(30)
-                server.kill()
-                server.join(10)
+            calls = n // procs if workload == "throughput" else n
+            results, cpu_s = _echo_run(context, procs, flight, calls)
             wall = max(r[1] for r in results) - min(r[0] for r in results)
             done = sum(len(r[2]) for r in results)
             values.append(done / wall)
             per_run.append(quantiles([x for r in results for x in r[2]]))
-            cpu.append(meter.cpu_s / done * 1000)
+            cpu.append(cpu_s / done * 1000)
         if workload == "throughput":
             rows.append(
-                _row(
+                summary_row(
                     workload,
                     "raw socket round trip (echo)",
                     n,
@@ -201,7 +208,7 @@ def raw_socket(n: int, reps: int, producers: int, in_flight: int) -> list[dict[s
             )
         else:
             rows.append(
-                _row(
+                summary_row(
                     workload,
                     "raw socket round trip (echo)",
                     n,
@@ -236,7 +243,7 @@ def raw_shm_copy(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
             segment.close()
             segment.unlink()
         rows.append(
-            _row(
+            summary_row(
                 "large_results",
                 f"raw shared-memory copy, {size} MiB",
                 1,

@@ -161,52 +161,63 @@ def _workloads(
         print(f" {time.monotonic() - started:.0f} s", flush=True)
         measured(made)
 
-    if "throughput" in only:
-        print("throughput", flush=True)
-        step("queryqueue", lambda: ours.throughput(s.throughput, s.reps))
-        step("queryqueue on PostgreSQL", lambda: ours.postgres_throughput(s.postgres, s.reps))
-        step("ProcessPoolExecutor", lambda: [reference.pool_throughput(s.throughput, s.reps)])
-        step("raw socket", lambda: reference.raw_socket(s.throughput, s.reps, 4, 64)[:1])
-        for peer, python in ready:
-            step(
-                peer.name, partial(_listed, peers.throughput, peer, python, s.throughput, s.reps, 4)
-            )
-    if "idle_latency" in only:
-        print("idle latency", flush=True)
-        step("queryqueue", lambda: ours.idle_latency(s.latency, s.reps))
-        step("queryqueue on PostgreSQL", lambda: ours.postgres_idle_latency(s.latency, s.reps))
-        step("ProcessPoolExecutor", lambda: [reference.pool_latency(s.latency, s.reps)])
-        step("raw socket", lambda: reference.raw_socket(s.latency, s.reps, 4, 64)[1:])
-        for peer, python in ready:
-            step(peer.name, partial(peers.idle_latency, peer, python, s.latency, s.reps))
+    for workload, planned in _plan(s, ready, with_peers).items():
+        if workload in only:
+            print(workload.replace("_", " "), flush=True)
+            for name, make in planned:
+                step(name, make)
     if "dedup_storm" in only:
-        print("dedup storm", flush=True)
-        step("queryqueue", lambda: ours.dedup_storm(s.storm, s.reps, s.storm_processes))
         rows.extend(peers.lacks_dedup(p) for p in peers.PEERS)
-    if "priority_burst" in only:
-        print("priority burst", flush=True)
-        step("queryqueue", lambda: ours.priority_burst(s.backlog, s.urgent, s.reps))
-        for peer, python in ready:
-            step(
-                peer.name, partial(peers.priority_burst, peer, python, s.backlog, s.urgent, s.reps)
-            )
-    if "large_results" in only:
-        print("large results", flush=True)
-        step("queryqueue", lambda: ours.large_results(s.sizes_mib, s.reps))
-        step("raw shared memory", lambda: reference.raw_shm_copy(s.sizes_mib, max(3, s.reps)))
-    if "soak" in only:
-        print("soak", flush=True)
-        step("queryqueue", lambda: ours.soak(s.soak))
-    if "io_bound" in only:
-        print("io bound", flush=True)
-        step("queryqueue", lambda: io_bound.ours(s.io_bound, s.reps))
-        step("queryqueue on PostgreSQL", lambda: io_bound.postgres_example(s.io_bound, s.reps))
-        if with_peers:
-            step("peers", lambda: io_bound.peer_rows(s.io_bound, s.reps))
-    if "hosts" in only:
-        print("hosts", flush=True)
-        step("queryqueue on PostgreSQL", lambda: hosts.rows(s.hosts, min(s.reps, 3)))
     return rows
+
+
+Maker = Callable[[], list[dict[str, Any]]]
+
+
+def _plan(
+    s: Sizes, ready: list[tuple[peers.Peer, Path]], with_peers: bool
+) -> dict[str, list[tuple[str, Maker]]]:
+    """Each workload's steps, in order: the system measured, and what measures it."""
+    return {
+        "throughput": [
+            ("queryqueue", lambda: ours.throughput(s.throughput, s.reps)),
+            ("queryqueue on PostgreSQL", lambda: ours.postgres_throughput(s.postgres, s.reps)),
+            ("ProcessPoolExecutor", lambda: [reference.pool_throughput(s.throughput, s.reps)]),
+            ("raw socket", lambda: reference.raw_socket(s.throughput, s.reps, 4, 64)[:1]),
+            *(
+                (p.name, partial(_listed, peers.throughput, p, py, s.throughput, s.reps, 4))
+                for p, py in ready
+            ),
+        ],
+        "idle_latency": [
+            ("queryqueue", lambda: ours.idle_latency(s.latency, s.reps)),
+            ("queryqueue on PostgreSQL", lambda: ours.postgres_idle_latency(s.latency, s.reps)),
+            ("ProcessPoolExecutor", lambda: [reference.pool_latency(s.latency, s.reps)]),
+            ("raw socket", lambda: reference.raw_socket(s.latency, s.reps, 4, 64)[1:]),
+            *((p.name, partial(peers.idle_latency, p, py, s.latency, s.reps)) for p, py in ready),
+        ],
+        "dedup_storm": [
+            ("queryqueue", lambda: ours.dedup_storm(s.storm, s.reps, s.storm_processes)),
+        ],
+        "priority_burst": [
+            ("queryqueue", lambda: ours.priority_burst(s.backlog, s.urgent, s.reps)),
+            *(
+                (p.name, partial(peers.priority_burst, p, py, s.backlog, s.urgent, s.reps))
+                for p, py in ready
+            ),
+        ],
+        "large_results": [
+            ("queryqueue", lambda: ours.large_results(s.sizes_mib, s.reps)),
+            ("raw shared memory", lambda: reference.raw_shm_copy(s.sizes_mib, max(3, s.reps))),
+        ],
+        "soak": [("queryqueue", lambda: ours.soak(s.soak))],
+        "io_bound": [
+            ("queryqueue", lambda: io_bound.ours(s.io_bound, s.reps)),
+            ("queryqueue on PostgreSQL", lambda: io_bound.postgres_example(s.io_bound, s.reps)),
+            *([("peers", lambda: io_bound.peer_rows(s.io_bound, s.reps))] if with_peers else []),
+        ],
+        "hosts": [("queryqueue on PostgreSQL", lambda: hosts.rows(s.hosts, min(s.reps, 3)))],
+    }
 
 
 def _merged(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -407,7 +418,7 @@ def chart(report: dict[str, Any], path: Path) -> str:
     return f"chart written to {path}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description=__doc__,
@@ -434,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="add the rows of an earlier benchmarks.json (e.g. a separate soak run)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     only = [w.strip() for w in args.only.split(",") if w.strip() and w.strip() != "none"]
     unknown = set(only) - set(WORKLOADS)

@@ -77,18 +77,12 @@ class Metrics:
             registry=r,
         )
         self.added = Counter("queryqueue_added", "New queue items", ["prefix"], registry=r)
+        fast_track = "Queries added and retrieved in one command (run at once, no queueing)"
         self.fast_track_hits = Counter(
-            "queryqueue_fast_track_hits",
-            "Queries added and retrieved in one command (run at once, no queueing)",
-            ["prefix"],
-            registry=r,
+            "queryqueue_fast_track_hits", fast_track, ["prefix"], registry=r
         )
-        self.retries = Counter(
-            "queryqueue_retries",
-            "Handler attempts run again after a transient failure (a handler's retries=)",
-            ["prefix", "handler"],
-            registry=r,
-        )
+        retried = "Handler attempts run again after a transient failure (a handler's retries=)"
+        self.retries = Counter("queryqueue_retries", retried, ["prefix", "handler"], registry=r)
         self.cancellations = Counter(
             "queryqueue_cancellations", "Items removed by CANCEL", ["prefix"], registry=r
         )

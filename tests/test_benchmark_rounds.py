@@ -71,10 +71,11 @@ def test_the_idle_rows_are_the_two_paths_of_the_same_runs() -> None:
     """idle_latency runs the fast track and the queued path alternating, query by query,
     in one run: each row reads its own path's queries (every other record), so a slower
     supervisor slows both rows alike."""
-    from benchmarks.ours import IDLE_PATHS, Run, _latencies_of_path
+    from benchmarks.drive import Run
+    from benchmarks.ours import IDLE_PATHS, latencies_of_path
 
     assert [priority for priority, _ in IDLE_PATHS] == [10, 0]
     records = [(float(i), float(i) + (0.5 if i % 2 == 0 else 0.75), True) for i in range(6)]
     run = Run([records], cpu_s=0.0, peak_rss=0, stats_before={}, stats_after={})
-    assert _latencies_of_path(0, run) == [0.5, 0.5, 0.5]
-    assert _latencies_of_path(1, run) == [0.75, 0.75, 0.75]
+    assert latencies_of_path(0, run) == [0.5, 0.5, 0.5]
+    assert latencies_of_path(1, run) == [0.75, 0.75, 0.75]

@@ -423,11 +423,10 @@ def _active(store: MemoryQueueStore, keys: tuple[str, ...]) -> dict[str, int]:
 async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_nothing(
     workdir: Path,
 ) -> None:
-    """A worker whose ACK is in a committing batch is sent its next query (`acking`),
-    and the query it ACKed ends only when that ACK is answered. Should the ACK never be
-    stored (the worker reports it lost), or the worker die before that, its item is given
-    back (its waiters ask again) with no death counted against it; the query it died
-    running is reclaimed as any other."""
+    """A worker whose ACK is in a committing batch is sent its next query (`acking`), and
+    the query it ACKed ends only when that ACK is answered. Should the ACK never be stored
+    (the worker says it is lost), or the worker die before that, its item is given back
+    with no death counted against it; the query it died running is reclaimed as any."""
     from queryqueue.supervisor import worker as worker_module
     from queryqueue.supervisor.core import slots
 
@@ -439,8 +438,7 @@ async def test_a_worker_on_to_its_next_query_before_its_ack_is_answered_loses_no
         return slots.Job(ids[key], f"p:{key}", key.encode())
 
     def outcome(key: str) -> Any:
-        answer = store.result(ids[key])
-        return None if answer is None or answer.payload is None else orjson.loads(answer.payload)
+        return orjson.loads(getattr(store.result(ids[key]), "payload", None) or "null")
 
     def queued() -> set[str]:
         return {key for key, queue_id in ids.items() if store.get(queue_id) is not None}
