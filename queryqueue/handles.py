@@ -127,6 +127,8 @@ class Registration:
         self, function: Callable[[Q, SetCancelHandler], T]
     ) -> QueryHandle[Q, T, [SetCancelHandler], T]: ...
     def __call__(self, function: Callable[..., Any]) -> QueryHandle[Any, Any, ..., Any]:
+        if isinstance(function, QueryHandle):  # another app's handler: its function
+            function = function.function
         as_query_handler(self.name, function)  # its shape checked now, not at its first query
         self.app.query_handlers[self.name] = function
         if self.policy.applies():
