@@ -359,6 +359,26 @@ class WorkerPool:
         self.processes.retire_if_due(worker)
         self.send(self.slots.assign())
 
+    def fence(self) -> int:
+        """This host's lease lapsed: stop what its workers run, before another host may
+        take it over (`core/lease_watch.py`). A worker process running a query is killed;
+        its exit gives each of its queries back once the store answers (here, or gone:
+        another host reaped it), with no death counted against it. Queries waiting for a
+        worker are given back the same way. Returns how many it stopped."""
+        stopped = 0
+        for job in self.slots.drop_backlog():
+            self.in_background(self.takeback.give_back(job.queue_id))
+            stopped += 1
+        for process in self.slots.processes():
+            running = [lane.job for lane in process.lanes if lane.job is not None]
+            running += [lane.next for lane in process.lanes if lane.next is not None]
+            if running and process.process.is_alive():
+                for job in running:
+                    job.fenced = True
+                process.process.kill()
+                stopped += len(running)
+        return stopped
+
     def removed(self, key: QueueKey) -> None:
         """The item was cancelled: a worker running it hears of it now (its cancel handler
         runs within a loop turn there, not a heartbeat later); a waiting one never starts."""

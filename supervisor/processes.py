@@ -167,7 +167,11 @@ class Processes:
         if lane.job is not None:  # an acknowledged one is no longer its job
             job = lane.job
             counts = not (job.timed_out or job.abandoned)
-            outcome = takeback.died(job.queue_id, job.path, exitcode, counts=counts)
+            outcome = (
+                takeback.fenced(job.queue_id)
+                if job.fenced
+                else takeback.died(job.queue_id, job.path, exitcode, counts=counts)
+            )
             self.pool.in_background(takeback.take_back(job.queue_id, job.path, outcome))
         if lane.acking is not None:
             # It ran to its end; stored, unless the ACK's batch failed to commit and the

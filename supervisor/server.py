@@ -49,6 +49,7 @@ from queryqueue.supervisor.core.requests import (
 from queryqueue.supervisor.core.slots import Job
 from queryqueue.supervisor.core.transaction import BatchTransaction
 from queryqueue.supervisor.lane_runner import LaneRunner
+from queryqueue.supervisor.lease import LeaseKeeper
 from queryqueue.supervisor.loop_runner import LoopRunner
 from queryqueue.supervisor.own_commands import OwnCommands
 from queryqueue.supervisor.polls import ParkedPoll, parked_deadlines
@@ -128,7 +129,7 @@ class QueueServer:
         self._servers: list[asyncio.Server] = []
         self._handlers: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Future[Any] | None = None
-        self._beat_failing = False
+        self.lease = LeaseKeeper(store, self.pools)
         self._socket_lock: guard.Lock | None = None
         self._stop_watching: Any = None
         self._socket_identity: tuple[int, int] | None = None
@@ -164,7 +165,7 @@ class QueueServer:
                 self.store, self._loop, self._store_failed, expecting=self._pool_runs
             )
         self.runner.start(self._loop)
-        self._sweeper = asyncio.gather(self._sweep_forever(), self._beat_forever())
+        self._sweeper = asyncio.gather(self._sweep_forever(), self.lease.keep())
 
     def _pool_runs(self) -> bool:
         """Whether the pool holds a query, whose ACK will commit soon (synced.py)."""
@@ -205,28 +206,6 @@ class QueueServer:
                     await self._purge_expired()
                 except QueueError as exc:
                     _log.warning("purging expired results failed: %s", exc)
-
-    async def _beat_forever(self) -> None:
-        """This host's lease renewed every tenth of it (a store several hosts share), on a
-        task of its own: a long purge or reconcile never holds it up past the lease."""
-        timeout = self.store.host_timeout
-        if timeout is None:
-            return
-        while True:
-            await asyncio.sleep(timeout / 10)
-            await self._beat_host()
-
-    async def _beat_host(self) -> None:
-        """This host's lease on the items it runs, renewed (a store several hosts share):
-        a beat that fails is logged once, until one succeeds again."""
-        try:
-            await self.store.run_off_loop(self.store.beat_host)
-        except Exception as exc:  # a StoreError, or a bug: the next beat is still due
-            if not self._beat_failing:
-                _log.warning("renewing this host's lease on its items failed: %s", exc)
-            self._beat_failing = True
-        else:
-            self._beat_failing = False
 
     async def _purge_expired(self) -> None:
         """Expired results, a bounded batch a transaction, batch after batch while each

@@ -41,6 +41,12 @@ class TakeBack:
     def succeeded(self, path: str) -> None:
         self.deaths.pop(path, None)
 
+    def fenced(self, queue_id: QueueId) -> str:
+        """The outcome a query stopped for this host's lapsed lease gets: its waiters ask
+        again (no death is counted: the query did nothing wrong)."""
+        self.reclaimed.append(queue_id)
+        return encode_retry("the host running the query lost its lease; it runs again")
+
     def died(self, queue_id: QueueId, path: str, exitcode: int | None, counts: bool) -> str | None:
         """The outcome a query whose worker died gets (None: none, it was over anyway):
         its waiters retry it, unless it has now killed `max_worker_deaths` workers."""
@@ -70,8 +76,18 @@ class TakeBack:
         )
 
     async def take_back(self, queue_id: QueueId, path: str, outcome: str | None) -> None:
-        """A dead worker's item out of the queue at once, and its cancel handler called."""
-        removed = await self.store.run_off_loop(self.store.cancel, queue_id, result=outcome)
+        """A dead worker's item out of the queue at once, and its cancel handler called.
+        Tried until the store answers (at most two minutes): a worker that died in an
+        outage, or was stopped for one, leaves nothing wedged behind it."""
+        for _ in range(120):
+            try:
+                removed = await self.store.run_off_loop(self.store.cancel, queue_id, result=outcome)
+                break
+            except QueueError as exc:
+                _log.warning("taking back queue item %s failed: %s", queue_id, exc)
+                await asyncio.sleep(1.0)
+        else:
+            return
         if removed is None:
             return
         _log.warning("worker died: reclaimed queue item %s (%s)", queue_id, path)

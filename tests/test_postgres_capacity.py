@@ -112,3 +112,51 @@ async def test_a_dead_supervisors_workers_are_gone_before_another_host_runs_thei
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         await close_all(queues, drivers, [b])
+
+
+async def test_a_host_cut_off_stops_its_query_before_another_host_runs_it_again(
+    workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A supervisor alive but cut off from the database (its workers running) cannot renew
+    its lease: half the lease later it stops the query it runs, so that when the other
+    host reaps it (the lease run out) and runs it again, the two runs never overlap and it
+    ends once. Back in touch, the host takes queries again."""
+    from tests.postgres_util import Proxy
+
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    lease = ("--pg-host-timeout", "4")
+    proxy = Proxy()
+    env = {**os.environ, "POOL_HEARTBEAT": "2.5"}
+    a = pg_host(
+        workdir, "a", schema, "--app", APP, "--workers", "2", *lease, url=proxy.url, env=env
+    )
+    b = _host(workdir, "b", schema, *lease)
+    drivers, queues = _queues([a, b])
+    first: asyncio.Future[Any] | None = None
+    try:
+        ours = await _workers(drivers[0])
+        query = {"key": "k", "seconds": 30.0}
+        first = asyncio.ensure_future(ask(queues[0], "ticking", "k", query, within=60))
+        await wait_until(lambda: any(t[0] == "start" for t in read_trace(workdir)), within=30)
+        (start,) = [t for t in read_trace(workdir) if t[0] == "start"]
+        assert int(start[2]) in ours  # a runs it
+        # b's caller joins it; then a is cut off: its lease lapses, b reaps and runs it.
+        caller = asyncio.ensure_future(ask(queues[1], "ticking", "k", {**query, "seconds": 0.2}))
+        first.cancel()
+        proxy.cut()
+        result = await asyncio.wait_for(caller, 60)
+        assert result["pid"] in await _workers(drivers[1])
+        trace = read_trace(workdir)
+        last_alive = max(float(t[3]) for t in trace if t[0] == "tick" and int(t[2]) in ours)
+        again = [t for t in trace if t[0] == "start" and int(t[2]) not in ours]
+        assert len(again) == 1 and float(again[0][3]) > last_alive, trace
+        assert [t[2] for t in trace if t[0] == "end"] == [again[0][2]]  # it ended once
+        # Back in touch: a takes queries again.
+        proxy.resume()
+        later = await ask(queues[0], "sql", "later", {"key": "later", "seconds": 0}, within=60)
+        assert later["key"] == "later"
+    finally:
+        if first is not None:
+            first.cancel()
+        await close_all(queues, drivers, [a, b])
+        proxy.close()

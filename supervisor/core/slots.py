@@ -29,6 +29,7 @@ class Job:
     abandoned: bool = False
     started_at: float | None = None  # time.monotonic() it started on a worker
     timed_out: bool = False  # failed by the supervisor's own execution timeout
+    fenced: bool = False  # stopped because this host's lease lapsed (lease_watch.py)
     handler: str = ""
     query_key: str = ""  # as its caller named it (the path has only its hash)
     priority: int = 0
@@ -343,6 +344,14 @@ class Slots:
             self._let_go(lane.job)
             self._let_go(lane.next)
         return True
+
+    def drop_backlog(self) -> list[Job]:
+        """The jobs waiting for a worker, no longer held (to be given back)."""
+        dropped = list(self.backlog)
+        self.backlog.clear()
+        for job in dropped:
+            self._let_go(job)
+        return dropped
 
     def clear(self) -> list[Job]:
         """Stopped: everything held unfinished, running first."""
