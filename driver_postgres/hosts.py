@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 # A host's lease on its items lasts this long after its last beat (the supervisor's
-# --pg-host-timeout): ten beats, so that a loaded host or a slow round trip never loses it.
-HOST_TIMEOUT_S = 5.0
+# --pg-host-timeout): ten beats, so that a loaded host or a slow round trip never loses it,
+# and a host cut off stops its queries only after half of it (lease_watch.py): an outage
+# of a few seconds (a restart) is ridden out.
+HOST_TIMEOUT_S = 10.0
 # A row not renewed for this long is deleted by the next host's beat: its host is gone.
 FORGET_HOST_MS = 24 * 3600 * 1000
 

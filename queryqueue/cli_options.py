@@ -171,10 +171,11 @@ def _postgres_options(sup: argparse.ArgumentParser) -> None:
     sup.add_argument(
         "--pg-host-timeout",
         type=_positive_seconds,
-        default=5.0,
+        default=10.0,
         metavar="S",
         help="PostgreSQL: a host unseen this long (dead, or cut off from the database) has"
-        " its running queries reaped by the other hosts, to run again",
+        " its running queries reaped by the other hosts, to run again; a host cut off for"
+        " half of it stops them itself first",
     )
     sup.add_argument(
         "--pg-connections",

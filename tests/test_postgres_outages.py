@@ -246,3 +246,49 @@ async def test_a_waiter_whose_timeout_comes_while_its_ack_commits_gets_the_resul
     finally:
         release.set()
         store.close()
+
+
+async def test_a_short_cut_under_steady_load_is_over_within_seconds_of_the_outage(
+    workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten queries a second, heartbeats every 30 s (a stall timeout of two minutes), and
+    the database away for 2 s in the middle: every caller has its answer within 10 s of
+    the database's return, none waits out a command timeout (a `CommandTimeoutError`
+    fails the test), and every query ran once."""
+    import os
+
+    from tests.apps.pool_app import app
+
+    proxy = Proxy()
+    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
+    env = {**os.environ, "POOL_HEARTBEAT": "30"}
+    try:
+        host = pool_host(workdir, "a", schema, url=proxy.url, env=env)
+        driver = SocketQueueDriver(host.socket_path)
+        queue = app.pool_queue(driver, continue_wait_timeout=30.0)
+        keys = [f"s{i}" for i in range(60)]
+        answered: dict[str, float] = {}
+
+        async def caller(i: int, key: str) -> None:
+            await asyncio.sleep(i * 0.1)
+            assert (await _ask_through_errors(queue, key, 0.1))["key"] == key
+            answered[key] = time.monotonic()
+
+        try:
+            callers = asyncio.gather(*(caller(i, key) for i, key in enumerate(keys)))
+            await asyncio.sleep(2.0)  # under load
+            proxy.cut()
+            await asyncio.sleep(2.0)  # the outage itself, not a wait for something
+            proxy.resume()
+            back = time.monotonic()
+            await asyncio.wait_for(callers, 60)
+            late = {k: round(t - back, 1) for k, t in answered.items() if t - back > 10}
+            assert not late, f"answered more than 10 s after the database was back: {late}"
+            started = [event[1] for event in read_trace(workdir) if event[0] == "start"]
+            assert sorted(started) == sorted(keys), "a query ran twice, or never"
+        finally:
+            await queue.shutdown(grace=0)
+            await driver.close()
+            assert host.stop() == 0
+    finally:
+        proxy.close()
