@@ -1,6 +1,7 @@
 """A prefix whose lock another client holds on PostgreSQL holds up its own commands only:
 the pool's heartbeats for its running queries wait on that prefix's lane, not on every
-lane, so another prefix's ADD and `stats` answer meanwhile."""
+lane, so another prefix's ADD and `stats` answer meanwhile, on the pool's host and on
+another."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ async def test_the_pools_prefix_locked_elsewhere_holds_up_no_other_prefix(
         *("--workers", str(WORKERS), "--pg-connections", "4", "--pg-lock-timeout", "20"),
         env={**os.environ, "POOL_HEARTBEAT": "0.25"},  # a heartbeat round every 0.25 s
     )  # fmt: skip
-    driver = SocketQueueDriver(host.socket_path)
+    plain = pg_host(workdir, "b", schema, "--pg-lock-timeout", "20")  # no pool: a second host
+    driver, other_host = SocketQueueDriver(host.socket_path), SocketQueueDriver(plain.socket_path)
     queue = six.pool_queue(driver, continue_wait_timeout=1.0)
     running = [
         asyncio.ensure_future(ask(queue, "ticking", f"r{i}", {"key": f"r{i}", "seconds": 30.0}))
@@ -48,11 +50,14 @@ async def test_the_pools_prefix_locked_elsewhere_holds_up_no_other_prefix(
                 (prefix_lock_key(schema, "six"),),
             )
             await wait_until(lambda: lock_waiters(other, schema) >= 1, within=10)
-            for i in range(3):
+            for i in range(3):  # through the pool's host and through the other one
                 added = await asyncio.wait_for(driver.add(f"q:k{i}", "{}"), 1.0)
                 assert added.added
                 stats = await asyncio.wait_for(driver.stats(), 1.0)
                 assert stats["pool"]["alive"] == WORKERS
+                added = await asyncio.wait_for(other_host.add(f"q:b{i}", "{}"), 1.0)
+                assert added.added
+                await asyncio.wait_for(other_host.stats(), 1.0)
             # One of its sessions waits on the lock: the heartbeats queue behind it.
             assert lock_waiters(other, schema) == 1
             other.execute("SELECT pg_advisory_unlock_all()")
@@ -62,4 +67,6 @@ async def test_the_pools_prefix_locked_elsewhere_holds_up_no_other_prefix(
         await asyncio.gather(*running, return_exceptions=True)
         await queue.shutdown(grace=0)
         await driver.close()
+        await other_host.close()
         assert host.stop() == 0
+        assert plain.stop() == 0
