@@ -34,14 +34,20 @@ class HostLease:
     owner: str
     timeout_ms: int
 
-    def beat(self, conn: Any, now: int) -> None:
-        """Renew this host's lease; forget hosts gone for a day."""
+    def beat(self, conn: Any, now: int) -> int:
+        """Renew this host's lease; forget hosts gone for a day. The other hosts whose
+        leases hold: those that could reap this host's items."""
         conn.execute(
             "INSERT INTO hosts (owner, seen) VALUES (%s, %s)"
             " ON CONFLICT (owner) DO UPDATE SET seen = EXCLUDED.seen",
             (self.owner, now),
         )
         conn.execute("DELETE FROM hosts WHERE seen < %s", (now - FORGET_HOST_MS,))
+        row = conn.execute(
+            "SELECT count(*) FROM hosts WHERE owner <> %s AND seen >= %s",
+            (self.owner, now - self.timeout_ms),
+        ).fetchone()
+        return int(row[0]) if row else 0
 
     def leave(self, conn: Any) -> None:
         conn.execute("DELETE FROM hosts WHERE owner = %s", (self.owner,))

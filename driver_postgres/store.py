@@ -452,12 +452,14 @@ class PostgresQueueStore(PipelinedBatches):
 
         return self._again_if_disconnected(attempt)
 
-    def beat_host(self) -> None:
+    def beat_host(self) -> int:
         """Renew this host's lease (hosts.py) in a transaction of its own, not a batch's
-        (a prefix's lock never holds it up); a failed one is a StoreError."""
-        if self.lease is not None:
-            with self._unbatched() as conn:
-                self.lease.beat(conn, self.clock.now_ms())
+        (a prefix's lock never holds it up); a failed one is a StoreError. The other
+        hosts whose leases hold."""
+        if self.lease is None:
+            return 0
+        with self._unbatched() as conn:
+            return self.lease.beat(conn, self.clock.now_ms())
 
     def close(self) -> None:
         if self.lease is not None and not self._closed:

@@ -51,10 +51,10 @@ class MaintenanceCommands(ABC):
     # renewal (`beat_host`); after it, other hosts reap them. None: one host owns the store.
     host_timeout: float | None = None
 
-    def beat_host(self) -> None:
+    def beat_host(self) -> int:
         """Renew this host's lease on the items it runs, where several hosts share the
-        store (PostgreSQL); nothing where one host owns it."""
-        return None
+        store (PostgreSQL): the other hosts whose leases hold (0 where one host owns it)."""
+        return 0
 
     @queue_command(served=False)
     def refresh_active_heartbeats(self) -> int:

@@ -431,6 +431,7 @@ class QueueServer:
             **pool,
             **self.stats.snapshot(),
             **(await self.store.run_off_loop(self.store.describe)),
+            **self.lease.describe(),
             "shared_memory": self.segments.describe(),
             "connections": len(self.connections),
             "long_polls": sum(len(c.parked) for c in self.connections),

@@ -16,9 +16,16 @@ def test_a_lease_is_fenced_once_half_of_it_passed_without_a_renewal() -> None:
     assert not watch.failed(101.9)  # under half the lease: others cannot reap yet
     assert watch.failed(102.0)
     assert not watch.failed(103.0)  # once an outage
-    assert watch.renewed(105.0)  # it may take work again
-    assert not watch.renewed(105.4)
+    assert watch.renewed(105.0, others=1)  # it may take work again
+    assert not watch.renewed(105.4, others=1)
     assert not watch.failed(107.3) and watch.failed(107.4)
+    # Queries stalled sooner than the lease (a short heartbeat): fenced sooner.
+    watch = LeaseWatch(timeout=4.0, renewed_at=100.0)
+    assert not watch.failed(100.4, window=1.0) and watch.failed(100.5, window=1.0)
+    # Alone at its last renewal: nobody can reap its queries, which go on.
+    watch = LeaseWatch(timeout=4.0, renewed_at=100.0)
+    watch.renewed(100.0, others=0)
+    assert not watch.failed(160.0)
 
 
 class _Store:
@@ -27,17 +34,21 @@ class _Store:
     def __init__(self) -> None:
         self.up = True
         self.beats = 0
+        self.others = 1  # another host shares the queue
 
     async def run_off_loop(self, call: Any, *args: Any) -> Any:
         return call(*args)
 
-    def beat_host(self) -> None:
+    def beat_host(self) -> int:
         if not self.up:
             raise StoreError("the queue database failed: connection refused")
         self.beats += 1
+        return self.others
 
 
 class _Pool:
+    queue = None  # no queue of its own yet: the lease alone is the window
+
     def __init__(self) -> None:
         self.fences = 0
         self.pokes = 0

@@ -135,6 +135,11 @@ async def test_a_host_cut_off_stops_its_query_before_another_host_runs_it_again(
     first: asyncio.Future[Any] | None = None
     try:
         ours = await _workers(drivers[0])
+
+        async def sees_b() -> bool:  # as at a's last renewal: a host b may reap for
+            return bool((await drivers[0].stats())["lease"]["other_hosts"] == 1)
+
+        await wait_until(sees_b, within=30)
         query = {"key": "k", "seconds": 30.0}
         first = asyncio.ensure_future(ask(queues[0], "ticking", "k", query, within=60))
         await wait_until(lambda: any(t[0] == "start" for t in read_trace(workdir)), within=30)
