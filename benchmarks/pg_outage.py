@@ -7,7 +7,10 @@
    `--pg-network-timeout 2`: ping meanwhile, how long the ADD takes to fail, how soon
    service is back once the proxy forwards again;
 3. a 2 s "restart" under load (every connection cut, new ones refused): how long after
-   the database is back every caller has its answer, executions per key, slots held.
+   the database is back every caller has its answer, executions per key, slots held;
+4. a partition of one of two hosts (8 s or more, its lease 4 s) while its workers run two
+   queries of 6 s: runs started and ended per query, whether two runs of one query ever
+   overlapped, how long its callers (on the other host) waited.
 
 Needs a PostgreSQL server (QUERYQUEUE_TEST_POSTGRES, as the tests). The proxy is the
 tests' own (tests/postgres_util.py). Nothing here asserts anything.
@@ -167,6 +170,85 @@ async def restart_under_load(work: Path) -> dict[str, Any]:
         drop_schema(schema)
 
 
+async def partition(work: Path) -> dict[str, Any]:
+    from tests.apps.pool_app import six
+    from tests.trace import read_trace
+
+    (work / "partition").mkdir()
+    os.environ["POOL_TRACE"], os.environ["POOL_HEARTBEAT"] = str(work / "partition/trace"), "2.5"
+    schema, proxy = fresh_schema(), Proxy()
+    pool = ("--app", "tests.apps.pool_app:six", "--workers", "2", "--pg-host-timeout", "4")
+    hosts = [_host(work, "pa", schema, proxy.url, *pool), _host(work, "pb", schema, URL, *pool)]
+    drivers = [SocketQueueDriver(h.socket_path) for h in hosts]
+    queues = [six.pool_queue(d, continue_wait_timeout=1.0) for d in drivers]
+
+    async def ask(queue: Any, key: str) -> Any:
+        while True:
+            try:
+                return await queue.execute_in_queue("ticking", key, {"key": key, "seconds": 6.0})
+            except (ContinueWaitError, StoreError):
+                await asyncio.sleep(0.05)
+
+    def started() -> int:
+        return sum(t[0] == "start" for t in read_trace(work / "partition"))
+
+    async def sees_the_other() -> bool:  # at its last renewal (a build without it: yes)
+        stats = await drivers[0].stats()
+        return bool(stats.get("lease", {}).get("other_hosts", 1) >= 1)
+
+    try:
+        await wait_until(sees_the_other, within=30)
+        keys = ["p0", "p1"]
+        firsts = [asyncio.ensure_future(ask(queues[0], key)) for key in keys]
+        await wait_until(lambda: started() == len(keys), within=30)
+        callers = [asyncio.ensure_future(_timed(ask(queues[1], key))) for key in keys]
+        for first in firsts:
+            first.cancel()
+        proxy.cut()
+        cut = time.monotonic()
+        waited = [seconds for seconds, _ in await asyncio.gather(*callers)]
+        await asyncio.sleep(max(0.0, cut + 8.0 - time.monotonic()))  # past the queries' 6 s
+        partitioned = time.monotonic() - cut
+        proxy.resume()
+        report = _partition_report(read_trace(work / "partition"), keys, waited)
+        return {**report, "partition_s": round(partitioned, 1)}
+    finally:
+        for queue, driver in zip(queues, drivers, strict=True):
+            await queue.shutdown(grace=0)
+            await driver.close()
+        for host in hosts:
+            host.stop()
+        proxy.close()
+        drop_schema(schema)
+
+
+def _partition_report(
+    trace: list[list[str]], keys: list[str], waited: list[float]
+) -> dict[str, Any]:
+    runs: dict[str, list[tuple[str, float, float, bool]]] = {}
+    for key in keys:
+        for pid in dict.fromkeys(t[2] for t in trace if t[1] == key):
+            times = [float(t[3]) for t in trace if t[1] == key and t[2] == pid]
+            ended = any(t[0] == "end" for t in trace if t[1] == key and t[2] == pid)
+            runs.setdefault(key, []).append((pid, min(times), max(times), ended))
+    overlapped = sum(
+        1
+        for each in runs.values()
+        for i, a in enumerate(each)
+        for b in each[i + 1 :]
+        if a[1] < b[2] and b[1] < a[2]
+    )
+    return {
+        "queries": len(keys),
+        "query_s": 6.0,
+        "lease_s": 4,
+        "runs_started": {k: len(v) for k, v in runs.items()},
+        "runs_ended": {k: sum(r[3] for r in v) for k, v in runs.items()},
+        "overlapping_runs": overlapped,
+        "callers_answered_after_s": [round(w, 2) for w in waited],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.pg_outage", description=__doc__)
     parser.add_argument("--out", type=Path, default=None, help="also write the figures as JSON")
@@ -176,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "held_lock": asyncio.run(held_lock(work)),
         "frozen_connection": asyncio.run(frozen_connection(work)),
         "restart_under_load": asyncio.run(restart_under_load(work)),
+        "partition": asyncio.run(partition(work)),
     }
     text = json.dumps(report, indent=2)
     print(text)
