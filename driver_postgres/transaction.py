@@ -32,6 +32,7 @@ from queryqueue.engine.records import (
     ResultReuse,
     inserted_values,
     item_from_row,
+    oldest_created,
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
 
@@ -385,9 +386,8 @@ class PostgresTransaction(ResultRows):
 
     def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
         self.known.flush(self._c)
-        oldest = dict(self._all("SELECT prefix, min(created) FROM items GROUP BY prefix"))
         found = [
-            PrefixOverview(prefix, pending, active, oldest.get(prefix))
+            PrefixOverview(prefix, pending, active, self._oldest(prefix))
             for prefix, pending, active in self._all(
                 "SELECT prefix, pending, active FROM prefix_counts"
                 " WHERE pending > 0 OR active > 0 ORDER BY prefix"
@@ -395,6 +395,21 @@ class PostgresTransaction(ResultRows):
         ]
         row = self._one("SELECT count(*) FROM results WHERE expire > %s", (now,))
         return found, int(row[0]) if row else 0
+
+    def _oldest(self, prefix: str) -> int | None:
+        def seek(status: int, below: int) -> tuple[int, int] | None:
+            row = self._one(
+                "SELECT priority, created FROM items WHERE prefix = %s AND status = %s"
+                " AND priority < %s ORDER BY priority DESC, id LIMIT 1",
+                (prefix, status, below),
+            )
+            return None if row is None else (int(row[0]), int(row[1]))
+
+        def scan() -> int | None:
+            row = self._one("SELECT min(created) FROM items WHERE prefix = %s", (prefix,))
+            return None if row is None or row[0] is None else int(row[0])
+
+        return oldest_created(seek, scan)
 
     def refresh_active_heartbeats(self, now: int) -> int:
         """This host's active items (and those no host owns): another's that died while

@@ -24,6 +24,7 @@ from queryqueue.engine.records import (
     StoredResult,
     inserted_values,
     item_from_row,
+    oldest_created,
     result_from_row,
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
@@ -343,21 +344,33 @@ class SqliteTransaction:
         return cursor.rowcount
 
     def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
-        oldest = dict(
-            self._c.execute("SELECT prefix, min(created) FROM items GROUP BY prefix").fetchall()
-        )
         stored = self._stored
         counted = [
             (prefix, *self._counts.stored(prefix, stored.get(prefix)))
             for prefix in sorted(stored.keys() | self._counts.deltas.keys())
         ]
         found = [
-            PrefixOverview(prefix, pending, active, oldest.get(prefix))
+            PrefixOverview(prefix, pending, active, self._oldest(prefix))
             for prefix, pending, active in counted
             if pending > 0 or active > 0
         ]
         row = self._one("SELECT count(*) FROM results WHERE expire > ?", (now,))
         return found, int(row[0]) if row else 0
+
+    def _oldest(self, prefix: str) -> int | None:
+        def seek(status: int, below: int) -> tuple[int, int] | None:
+            row = self._one(
+                "SELECT priority, created FROM items WHERE prefix = ? AND status = ?"
+                " AND priority < ? ORDER BY priority DESC, id LIMIT 1",
+                (prefix, status, below),
+            )
+            return None if row is None else (int(row[0]), int(row[1]))
+
+        def scan() -> int | None:
+            row = self._one("SELECT min(created) FROM items WHERE prefix = ?", (prefix,))
+            return None if row is None or row[0] is None else int(row[0])
+
+        return oldest_created(seek, scan)
 
     def refresh_active_heartbeats(self, now: int) -> int:
         self._write()

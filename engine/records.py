@@ -4,7 +4,7 @@ every store fills in (`QueueStore` in `store.py` holds the rules)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -306,3 +306,30 @@ def new_item(
         external_id=external_id,
         payload=payload,
     )
+
+
+# Priority groups `oldest_created` seeks one by one before it scans instead: a queue
+# uses a few priorities, and each group is one index seek.
+OLDEST_GROUPS = 32
+OldestSeek = Callable[[int, int], "tuple[int, int] | None"]
+
+
+def oldest_created(seek: OldestSeek, scan: Callable[[], int | None]) -> int | None:
+    """When a prefix's oldest item was added, found without reading its backlog: items
+    come in the order of their ids, so the oldest is the first (lowest id) of some
+    priority group of pending or active items. `seek(status, below)` is the first item
+    (its priority, its creation) of the highest priority below `below`, by the queue's
+    index (prefix, status, priority DESC, id): one seek a group. A prefix with more
+    groups than `OLDEST_GROUPS` is scanned (`scan`)."""
+    firsts: list[int] = []
+    for status in STATUS_NAME:
+        below = v.MAX_PRIORITY + 1
+        for _ in range(OLDEST_GROUPS):
+            found = seek(status, below)
+            if found is None:
+                break
+            below, created = found
+            firsts.append(created)
+        else:
+            return scan()
+    return min(firsts, default=None)

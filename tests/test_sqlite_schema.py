@@ -249,3 +249,40 @@ def test_unopenable_database_is_a_store_error(tmp_path: Path) -> None:
         SqliteQueueStore(not_a_db)
     with pytest.raises(ValueError, match="synchronous"):
         SqliteQueueStore(tmp_path / "x.db", synchronous="OFF")  # type: ignore[arg-type]
+
+
+def _backlog(store: SqliteQueueStore, pending: int) -> None:
+    """`pending` items of three priorities on prefix p (one of them active), and one item
+    of prefix q, added in one transaction."""
+
+    def add() -> None:
+        for i in range(pending):
+            store.add(f"p:{i}", "{}", priority=(0, 5, 10)[i % 3])
+        store.add("q:0", "{}")
+        store.retrieve("p:1", concurrency=1_000)
+
+    store.batched(add, lambda _: None)
+
+
+def test_stats_read_no_more_of_the_backlog_however_long_it_is(tmp_path: Path) -> None:
+    """`stats` (the store's `describe`) counts pending and active items from the counters
+    and finds each prefix's oldest item one index seek per priority group: the same
+    virtual machine steps, within a level of the index, with 2,000 items pending as with
+    20,000, and the right oldest item either way."""
+    from queryqueue.engine.clock import ManualClock
+
+    clock = ManualClock(1_000_000)
+    small = SqliteQueueStore(tmp_path / "s.db", clock=clock)
+    large = SqliteQueueStore(tmp_path / "l.db", clock=clock)
+    try:
+        _backlog(small, 2_000)
+        _backlog(large, 20_000)
+        clock.advance(5_000)
+        # Ten times the backlog: a level more of the index to seek through, no more.
+        assert _steps(large, large.describe) < 1.5 * _steps(small, small.describe)
+        prefixes = {row["prefix"]: row for row in large.describe()["prefixes"]}
+        assert (prefixes["p"]["pending"], prefixes["p"]["active"]) == (19_999, 1)
+        assert prefixes["p"]["oldest_age_ms"] == prefixes["q"]["oldest_age_ms"] == 5_000
+    finally:
+        small.close()
+        large.close()

@@ -326,3 +326,25 @@ async def test_a_batch_wakes_its_waiters_once_it_committed(store: QueueStore) ->
         assert found is not None and found.payload == payload(r=1)
     finally:
         store.waiters.unsubscribe(waiter)
+
+
+def test_describe_says_each_prefixs_oldest_item_whatever_its_priority_or_status(
+    store: QueueStore, clock: ManualClock
+) -> None:
+    store.add(path("low"), payload(), priority=-5)
+    clock.advance(1_000)
+    store.add(path("high"), payload(), priority=10)
+    clock.advance(1_000)
+    store.add(path("mid"), payload(), priority=5)
+    store.add(path("other", "r"), payload())
+    store.retrieve(path("high"), concurrency=5)
+    clock.advance(1_000)
+
+    def ages() -> dict[str, int]:
+        return {p["prefix"]: p["oldest_age_ms"] for p in store.describe()["prefixes"]}
+
+    assert ages() == {P: 3_000, "r": 1_000}
+    store.cancel(path("low"))
+    assert ages() == {P: 2_000, "r": 1_000}  # the active one, now
+    store.ack(path("high"), payload())
+    assert ages() == {P: 1_000, "r": 1_000}
