@@ -32,7 +32,7 @@ from queryqueue.engine.records import (
     ResultReuse,
     inserted_values,
     item_from_row,
-    oldest_created,
+    oldest_of,
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
 
@@ -393,23 +393,13 @@ class PostgresTransaction(ResultRows):
                 " WHERE pending > 0 OR active > 0 ORDER BY prefix"
             )
         ]
-        row = self._one("SELECT count(*) FROM results WHERE expire > %s", (now,))
+        # Held, as the statistics count live rows (every host's inserts and deletes, up to
+        # a second late): a count(*) would read every result kept.
+        row = self._one("SELECT pg_stat_get_live_tuples('results'::regclass)")
         return found, int(row[0]) if row else 0
 
     def _oldest(self, prefix: str) -> int | None:
-        def seek(status: int, below: int) -> tuple[int, int] | None:
-            row = self._one(
-                "SELECT priority, created FROM items WHERE prefix = %s AND status = %s"
-                " AND priority < %s ORDER BY priority DESC, id LIMIT 1",
-                (prefix, status, below),
-            )
-            return None if row is None else (int(row[0]), int(row[1]))
-
-        def scan() -> int | None:
-            row = self._one("SELECT min(created) FROM items WHERE prefix = %s", (prefix,))
-            return None if row is None or row[0] is None else int(row[0])
-
-        return oldest_created(seek, scan)
+        return oldest_of(self._one, prefix, "%s")
 
     def refresh_active_heartbeats(self, now: int) -> int:
         """This host's active items (and those no host owns): another's that died while

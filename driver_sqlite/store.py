@@ -38,7 +38,7 @@ from queryqueue.driver_sqlite.transaction import (
     database_error,
 )
 from queryqueue.engine.clock import Clock
-from queryqueue.engine.counts import CountChanges
+from queryqueue.engine.counts import RESULTS, CountChanges
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.group_commit import call_before_commit
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS, QueueStore
@@ -259,7 +259,9 @@ class SqliteQueueStore(QueueStore):
         the one place a backlog is counted)."""
         self.recounts += 1
         rows = self.connection.execute(COUNT_BY_PREFIX)
-        return {prefix: (int(pending), int(active)) for prefix, pending, active in rows}
+        counted = {prefix: (int(pending), int(active)) for prefix, pending, active in rows}
+        (results,) = self.connection.execute("SELECT count(*) FROM results").fetchone()
+        return {**counted, RESULTS: (int(results), 0)} if results else counted
 
     def _commit(self) -> None:
         changed = self._counts.take_changes()

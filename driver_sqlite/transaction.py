@@ -11,7 +11,7 @@ from typing import Any
 
 from queryqueue.driver_sqlite.ids import IdBlock
 from queryqueue.driver_sqlite.schema import ACTIVE, PENDING
-from queryqueue.engine.counts import CountChanges
+from queryqueue.engine.counts import RESULTS, CountChanges
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.records import (
     INSERTED_COLUMNS,
@@ -24,7 +24,7 @@ from queryqueue.engine.records import (
     StoredResult,
     inserted_values,
     item_from_row,
-    oldest_created,
+    oldest_of,
     result_from_row,
 )
 from queryqueue.engine.responses import ItemStatus, QueueId, QueueKey
@@ -278,6 +278,7 @@ class SqliteTransaction:
 
     def insert_result(self, result: StoredResult) -> None:
         self._write()
+        self._counts.count(RESULTS, 1, 0)  # a result's id is its item's: a new row
         self._c.execute(
             "INSERT OR REPLACE INTO results (id, path, value, deleted, expire, external_id,"
             " consumed_by) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -326,7 +327,8 @@ class SqliteTransaction:
 
     def delete_result(self, id: QueueId) -> None:
         self._write()
-        self._c.execute("DELETE FROM results WHERE id = ?", (id,))
+        gone = self._c.execute("DELETE FROM results WHERE id = ?", (id,)).rowcount
+        self._counts.count(RESULTS, -gone, 0)
 
     def purge_expired_results(self, now: int, limit: int) -> int:
         # By id, from the lowest, stopping at `limit` expired: a result's id is its item's,
@@ -341,6 +343,7 @@ class SqliteTransaction:
             " (SELECT id, expire FROM results ORDER BY id LIMIT ?) WHERE expire <= ? LIMIT ?)",
             (PURGE_WINDOW, now, limit),
         )
+        self._counts.count(RESULTS, -cursor.rowcount, 0)
         return cursor.rowcount
 
     def overview(self, now: int) -> tuple[list[PrefixOverview], int]:
@@ -348,29 +351,18 @@ class SqliteTransaction:
         counted = [
             (prefix, *self._counts.stored(prefix, stored.get(prefix)))
             for prefix in sorted(stored.keys() | self._counts.deltas.keys())
+            if prefix != RESULTS
         ]
         found = [
             PrefixOverview(prefix, pending, active, self._oldest(prefix))
             for prefix, pending, active in counted
             if pending > 0 or active > 0
         ]
-        row = self._one("SELECT count(*) FROM results WHERE expire > ?", (now,))
-        return found, int(row[0]) if row else 0
+        # Held: stored and not yet purged (an expired one is never read, and soon purged).
+        return found, self._counts.stored(RESULTS, stored.get(RESULTS))[0]
 
     def _oldest(self, prefix: str) -> int | None:
-        def seek(status: int, below: int) -> tuple[int, int] | None:
-            row = self._one(
-                "SELECT priority, created FROM items WHERE prefix = ? AND status = ?"
-                " AND priority < ? ORDER BY priority DESC, id LIMIT 1",
-                (prefix, status, below),
-            )
-            return None if row is None else (int(row[0]), int(row[1]))
-
-        def scan() -> int | None:
-            row = self._one("SELECT min(created) FROM items WHERE prefix = ?", (prefix,))
-            return None if row is None or row[0] is None else int(row[0])
-
-        return oldest_created(seek, scan)
+        return oldest_of(self._one, prefix, "?")
 
     def refresh_active_heartbeats(self, now: int) -> int:
         self._write()

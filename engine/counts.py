@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# The counter of results held (its first number), kept with the prefixes' where a store
+# counts them: not a prefix, since no prefix may hold a NUL.
+RESULTS = "\x00results"
+
 
 class CountChanges:
     """`counts`: a prefix's counters as the table held them when first read in this

@@ -261,8 +261,7 @@ class MemoryTransaction:
             pending, active = self.counts(prefix)
             created = [item.created for item in self._prefix_items(prefix, None)]
             found.append(PrefixOverview(prefix, pending, active, min(created) if created else None))
-        held = sum(1 for r in self._s.results.values() if r.expire > now)
-        return found, held
+        return found, len(self._s.results)  # held: stored and not yet purged
 
     def refresh_active_heartbeats(self, now: int) -> int:
         active = [

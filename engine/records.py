@@ -333,3 +333,22 @@ def oldest_created(seek: OldestSeek, scan: Callable[[], int | None]) -> int | No
         else:
             return scan()
     return min(firsts, default=None)
+
+
+def oldest_of(one: Callable[[str, tuple[Any, ...]], Any], prefix: str, mark: str) -> int | None:
+    """`oldest_created` on a SQL store: `one(sql, parameters)` its one-row read, `mark`
+    its parameter placeholder (`?` or `%s`)."""
+
+    def seek(status: int, below: int) -> tuple[int, int] | None:
+        row = one(
+            f"SELECT priority, created FROM items WHERE prefix = {mark} AND status = {mark}"
+            f" AND priority < {mark} ORDER BY priority DESC, id LIMIT 1",
+            (prefix, status, below),
+        )
+        return None if row is None else (int(row[0]), int(row[1]))
+
+    def scan() -> int | None:
+        row = one(f"SELECT min(created) FROM items WHERE prefix = {mark}", (prefix,))
+        return None if row is None or row[0] is None else int(row[0])
+
+    return oldest_created(seek, scan)

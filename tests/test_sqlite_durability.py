@@ -102,11 +102,14 @@ def _assert_consistent(db: Path) -> None:
 
 
 def _counters(store: SqliteQueueStore) -> dict[str, tuple[int, int]]:
-    """The counters `store` keeps (as last committed), which agree with its items."""
+    """The prefixes' counters `store` keeps (as last committed), which agree with its items,
+    as its count of results held agrees with its results."""
+    from queryqueue.engine.counts import RESULTS
+
     _assert_consistent(store.path)
     kept = dict(store._stored)
     assert kept == store._count_items()
-    return kept
+    return {prefix: counts for prefix, counts in kept.items() if prefix != RESULTS}
 
 
 # FULL-in-background: a command returns before its commit is synced (the supervisor holds

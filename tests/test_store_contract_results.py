@@ -291,3 +291,20 @@ async def test_result_blocking_cancelled_leaves_no_waiter(store: QueueStore) -> 
         await waiter
     assert store.waiters.count() == 0
     assert store.ack(qid, payload()).success
+
+
+async def test_describe_counts_the_results_held_until_they_are_purged(
+    make_store: StoreFactory, clock: ManualClock
+) -> None:
+    """Every result stored counts, read or not, until it is purged; PostgreSQL's count is
+    its statistics' (every host's writes, a moment late), so it is waited for."""
+    store = make_store(result_ttl_ms=1_000)
+    for i in range(3):
+        store.ack(store.add(path(f"r{i}"), payload()).id, payload(r=i))
+    store.ack(store.add(path("none"), payload()).id, None)  # no result row
+    assert store.result(path("r0")) is not None  # read: still held until it expires
+    await wait_until(lambda: store.describe()["results_held"] == 3, within=30)
+    clock.advance(1_001)
+    while store.purge_expired():
+        pass
+    await wait_until(lambda: store.describe()["results_held"] == 0, within=30)
