@@ -6,13 +6,12 @@ a file of `examples/` are that file, checked with the project."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.mypy_util import mypy_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -43,25 +42,7 @@ def test_the_readme_and_the_docs_have_examples_to_check() -> None:
 def test_every_python_example_passes_mypy_strict(page: Path, tmp_path: Path) -> None:
     for name, source in _blocks(page):
         (tmp_path / f"{name}.py").write_text(source)
-    checked = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--strict",
-            "--no-incremental",
-            "--disable-error-code",
-            "top-level-await",
-            "--config-file",
-            str(ROOT / "pyproject.toml"),
-            *sorted(str(path) for path in tmp_path.glob("*.py")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        # The checkout's queryqueue/ (as the project's own mypy run sees it) and the
-        # page's own modules.
-        env={**os.environ, "MYPYPATH": f"{ROOT}{os.pathsep}{tmp_path}"},
+    status, errors = mypy_errors(
+        sorted(tmp_path.glob("*.py")), tmp_path, "--disable-error-code", "top-level-await"
     )
-    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert status == 0, "\n".join(errors)

@@ -3,9 +3,6 @@ shape is refused where it is registered, by the app and by mypy, not at its firs
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -13,8 +10,7 @@ from typing import Any
 import pytest
 
 from queryqueue import MemoryQueueStore, QueryQueue, QueueApp
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.mypy_util import mypy_errors
 
 
 def test_a_handler_of_another_shape_is_refused_where_it_is_registered() -> None:
@@ -91,7 +87,7 @@ def test_mypy_rejects_a_mistyped_option_handler_query_or_result(tmp_path: Path) 
             """
         )
     )
-    errors = _mypy(source, tmp_path)
+    _, errors = mypy_errors([source], tmp_path)
     lines = source.read_text().splitlines()
 
     def line_of(text: str) -> str:
@@ -107,28 +103,3 @@ def test_mypy_rejects_a_mistyped_option_handler_query_or_result(tmp_path: Path) 
     assert 'expression has type "int", variable has type "str"' in errors[1]
     assert 'Argument 1 to "run" of "QueryHandle" has incompatible type "int"' in errors[2]
     assert '"Registration"' in errors[3]
-
-
-def _mypy(source: Path, cwd: Path) -> list[str]:
-    """mypy --strict's errors in `source`, as the project's configuration checks it."""
-    checked = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--strict",
-            "--no-incremental",
-            "--config-file",
-            str(ROOT / "pyproject.toml"),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-        # The checkout's queryqueue/ (its subpackages linked in), as the project's own mypy
-        # run sees it: an editable install is found through a hook mypy does not follow.
-        env={**os.environ, "MYPYPATH": str(ROOT)},
-    )
-    assert checked.returncode in (0, 1), checked.stdout + checked.stderr
-    return [line for line in checked.stdout.splitlines() if ": error:" in line]

@@ -42,6 +42,16 @@ async def _workers(driver: SocketQueueDriver) -> set[int]:
     return {int(w["pid"]) for w in (await driver.stats())["pool"]["workers"]}
 
 
+def _run_again_after(workdir: Path, ours: set[int]) -> list[str]:
+    """The other host's one run of the query (its trace line), which started after the
+    last tick of the run on `ours`: the two never overlapped."""
+    trace = read_trace(workdir)
+    last_alive = max(float(t[3]) for t in trace if t[0] == "tick" and int(t[2]) in ours)
+    again = [t for t in trace if t[0] == "start" and int(t[2]) not in ours]
+    assert len(again) == 1 and float(again[0][3]) > last_alive, trace
+    return again[0]
+
+
 async def test_three_hosts_share_a_budget_of_six_by_their_workers(
     workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -97,11 +107,8 @@ async def test_a_dead_supervisors_workers_are_gone_before_another_host_runs_thei
         # ran it had left by then (half the lease after its supervisor died).
         result = await asyncio.wait_for(caller, 60)
         assert result["pid"] in await _workers(drivers[1])
-        trace = read_trace(workdir)
-        last_alive = max(float(t[3]) for t in trace if t[0] == "tick" and int(t[2]) in ours)
-        again = [t for t in trace if t[0] == "start" and int(t[2]) not in ours]
-        assert len(again) == 1 and float(again[0][3]) > last_alive, trace
-        assert not any(t[0] == "end" and int(t[2]) in ours for t in trace)
+        _run_again_after(workdir, ours)
+        assert not any(t[0] == "end" and int(t[2]) in ours for t in read_trace(workdir))
         for pid in ours:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     finally:
@@ -151,11 +158,9 @@ async def test_a_host_cut_off_stops_its_query_before_another_host_runs_it_again(
         proxy.cut()
         result = await asyncio.wait_for(caller, 60)
         assert result["pid"] in await _workers(drivers[1])
-        trace = read_trace(workdir)
-        last_alive = max(float(t[3]) for t in trace if t[0] == "tick" and int(t[2]) in ours)
-        again = [t for t in trace if t[0] == "start" and int(t[2]) not in ours]
-        assert len(again) == 1 and float(again[0][3]) > last_alive, trace
-        assert [t[2] for t in trace if t[0] == "end"] == [again[0][2]]  # it ended once
+        again = _run_again_after(workdir, ours)
+        ends = [t[2] for t in read_trace(workdir) if t[0] == "end"]
+        assert ends == [again[2]]  # it ended once
         # Back in touch: a takes queries again.
         proxy.resume()
         later = await ask(queues[0], "sql", "later", {"key": "later", "seconds": 0}, within=60)

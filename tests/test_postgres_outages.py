@@ -5,8 +5,10 @@ a batch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,29 @@ async def test_a_frozen_connection_fails_after_the_network_timeout_and_the_super
         proxy.close()
 
 
+@contextlib.asynccontextmanager
+async def _proxied_pool_host(
+    workdir: Path, schema: str, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[Proxy, SocketQueueDriver, Any]]:
+    """A supervisor with a pool, its database behind a proxy: (the proxy, a driver on the
+    supervisor, a pool queue on it); all stopped (the supervisor by its pid) afterwards."""
+    from tests.apps.pool_app import app
+
+    proxy = Proxy()
+    try:
+        host = pool_host(workdir, "a", schema, url=proxy.url, env=env)
+        driver = SocketQueueDriver(host.socket_path)
+        queue = app.pool_queue(driver, continue_wait_timeout=30.0)
+        try:
+            yield proxy, driver, queue
+        finally:
+            await queue.shutdown(grace=0)
+            await driver.close()
+            assert host.stop() == 0
+    finally:
+        proxy.close()
+
+
 async def test_a_restart_under_load_answers_every_caller_once_and_sticks_no_slot(
     workdir: Path, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -118,33 +143,20 @@ async def test_a_restart_under_load_answers_every_caller_once_and_sticks_no_slot
     refused: a restart as its clients see it). The workers' heartbeats and ACKs ride it
     out: every caller gets its own answer, every query ran exactly once (nothing stuck
     until the stall timeout and run again), and afterwards no slot is held."""
-    from tests.apps.pool_app import app
-
-    proxy = Proxy()
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    try:
-        host = pool_host(workdir, "a", schema, url=proxy.url)
-        driver = SocketQueueDriver(host.socket_path)
-        queue = app.pool_queue(driver, continue_wait_timeout=30.0)
+    async with _proxied_pool_host(workdir, schema) as (proxy, driver, queue):
         keys = [f"r{i}" for i in range(10)]
-        try:
-            asks = [asyncio.ensure_future(_ask_through_errors(queue, key, 0.4)) for key in keys]
-            await wait_until(lambda: read_trace(workdir) != [], within=30)  # queries run
-            proxy.cut()
-            await asyncio.sleep(2.0)  # the outage itself, not a wait for something
-            proxy.resume()
-            answers = await asyncio.wait_for(asyncio.gather(*asks), 60)
-            assert [answer["key"] for answer in answers] == keys
-            started = [event[1] for event in read_trace(workdir) if event[0] == "start"]
-            assert sorted(started) == sorted(keys), "a query ran twice, or never"
-            assert await until_done(driver.active, "sql") == []
-            assert await until_done(driver.pending, "sql") == []
-        finally:
-            await queue.shutdown(grace=0)
-            await driver.close()
-            assert host.stop() == 0
-    finally:
-        proxy.close()
+        asks = [asyncio.ensure_future(_ask_through_errors(queue, key, 0.4)) for key in keys]
+        await wait_until(lambda: read_trace(workdir) != [], within=30)  # queries run
+        proxy.cut()
+        await asyncio.sleep(2.0)  # the outage itself, not a wait for something
+        proxy.resume()
+        answers = await asyncio.wait_for(asyncio.gather(*asks), 60)
+        assert [answer["key"] for answer in answers] == keys
+        started = [event[1] for event in read_trace(workdir) if event[0] == "start"]
+        assert sorted(started) == sorted(keys), "a query ran twice, or never"
+        assert await until_done(driver.active, "sql") == []
+        assert await until_done(driver.pending, "sql") == []
 
 
 def test_a_batch_whose_connection_dies_before_commit_runs_again_whole() -> None:
@@ -257,15 +269,9 @@ async def test_a_short_cut_under_steady_load_is_over_within_seconds_of_the_outag
     fails the test), and every query ran once."""
     import os
 
-    from tests.apps.pool_app import app
-
-    proxy = Proxy()
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     env = {**os.environ, "POOL_HEARTBEAT": "30"}
-    try:
-        host = pool_host(workdir, "a", schema, url=proxy.url, env=env)
-        driver = SocketQueueDriver(host.socket_path)
-        queue = app.pool_queue(driver, continue_wait_timeout=30.0)
+    async with _proxied_pool_host(workdir, schema, env) as (proxy, _, queue):
         keys = [f"s{i}" for i in range(60)]
         answered: dict[str, float] = {}
 
@@ -274,21 +280,14 @@ async def test_a_short_cut_under_steady_load_is_over_within_seconds_of_the_outag
             assert (await _ask_through_errors(queue, key, 0.1))["key"] == key
             answered[key] = time.monotonic()
 
-        try:
-            callers = asyncio.gather(*(caller(i, key) for i, key in enumerate(keys)))
-            await asyncio.sleep(2.0)  # under load
-            proxy.cut()
-            await asyncio.sleep(2.0)  # the outage itself, not a wait for something
-            proxy.resume()
-            back = time.monotonic()
-            await asyncio.wait_for(callers, 60)
-            late = {k: round(t - back, 1) for k, t in answered.items() if t - back > 10}
-            assert not late, f"answered more than 10 s after the database was back: {late}"
-            started = [event[1] for event in read_trace(workdir) if event[0] == "start"]
-            assert sorted(started) == sorted(keys), "a query ran twice, or never"
-        finally:
-            await queue.shutdown(grace=0)
-            await driver.close()
-            assert host.stop() == 0
-    finally:
-        proxy.close()
+        callers = asyncio.gather(*(caller(i, key) for i, key in enumerate(keys)))
+        await asyncio.sleep(2.0)  # under load
+        proxy.cut()
+        await asyncio.sleep(2.0)  # the outage itself, not a wait for something
+        proxy.resume()
+        back = time.monotonic()
+        await asyncio.wait_for(callers, 60)
+        late = {k: round(t - back, 1) for k, t in answered.items() if t - back > 10}
+        assert not late, f"answered more than 10 s after the database was back: {late}"
+        started = [event[1] for event in read_trace(workdir) if event[0] == "start"]
+        assert sorted(started) == sorted(keys), "a query ran twice, or never"
