@@ -14,24 +14,27 @@ from tests.supervisor_util import start_supervisor
 LANES = "tests.apps.lanes_app:app"  # budget 4, 3 queries a worker
 
 
+@pytest.mark.parametrize(
+    ("calls", "limit", "seconds"), [(120, 8, 0.01), (5_000, 64, 0.0)], ids=["120", "5000"]
+)
 async def test_calls_past_the_long_poll_limit_wait_in_the_client_and_all_complete(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, calls: int, limit: int, seconds: float
 ) -> None:
     from tests.apps.lanes_app import app
 
     monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
     process = start_supervisor(
-        workdir / "queue.db", workdir / "s.sock", "--app", LANES, "--max-long-polls", "8"
+        workdir / "queue.db", workdir / "s.sock", "--app", LANES, "--max-long-polls", str(limit)
     )
     driver = SocketQueueDriver(process.socket_path)
     queue = app.pool_queue(driver, continue_wait_timeout=30.0)
     try:
-        keys = [f"k{i}" for i in range(120)]
+        keys = [f"k{i}" for i in range(calls)]
         results = await asyncio.gather(
-            *(queue.run("held", key, {"key": key, "seconds": 0.01}) for key in keys)
+            *(queue.run("held", key, {"key": key, "seconds": seconds}) for key in keys)
         )
         assert [result["key"] for result in results] == keys
-        assert driver.polls.limit == 8 and driver.polls.out == 0
+        assert driver.polls.limit == limit and driver.polls.out == 0
     finally:
         await queue.shutdown(grace=0)
         await driver.close()
