@@ -114,7 +114,7 @@ class Answers:
             key = request.args[0]
             path = job.path if job is not None else key if isinstance(key, str) else ":"
             metrics.acked(path, request.args[1], job)
-        elif request.method == "merge_extra" and '"attempt"' in str(request.args[1:2]):
+        elif request.method == "merge_extra" and '"attempt"' in str(request.args[-1]):
             job = self.server.job(request.args[0])  # the worker's retry of the query it runs
             if job is not None:
                 metrics.retried(job.path, job.handler)
