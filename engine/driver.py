@@ -48,8 +48,8 @@ class QueueDriver(Protocol):
     ) -> AddToQueueResponse:
         """`max_age_ms` (with `if_no_result`): a result of the path younger than that
         answers too, read before or not. `then_wait_ms`: the caller will RESULT_BLOCKING
-        the answered id for this long next; a driver may send that with the ADD (one write) and answer the later call
-        from it. Ignoring it is always correct."""
+        the answered id for this long next; a driver may send that with the ADD (one
+        write) and answer the later call from it. Ignoring it is always correct."""
 
     async def add_and_retrieve(
         self,

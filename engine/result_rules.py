@@ -1,6 +1,6 @@
 """Who may read which result: the rules RESULT, RESULT_BLOCKING and ADD's `if_no_result`
-(with its `max_age_ms`) share (Cube Store's: by path a result is consumed by its first read; by queue id or by
-external id it reads many times while it lives)."""
+(with its `max_age_ms`) share. Cube Store's: by path a result is consumed by its first
+read; by queue id or by external id it reads many times while it lives."""
 
 from __future__ import annotations
 

@@ -371,12 +371,12 @@ class WorkerPool:
             stopped += 1
         for process in self.slots.processes():
             running = [lane.job for lane in process.lanes if lane.job is not None]
-            running += [lane.next for lane in process.lanes if lane.next is not None]
-            if running and process.process.is_alive():
+            sent = sum(lane.next is not None for lane in process.lanes)  # given back on exit
+            if (running or sent) and process.process.is_alive():
                 for job in running:
                     job.fenced = True
                 process.process.kill()
-                stopped += len(running)
+                stopped += len(running) + sent
         return stopped
 
     def removed(self, key: QueueKey) -> None:
