@@ -15,7 +15,9 @@ Workloads (a fresh store for each repetition, a warm-up first, median and min-ma
 7. io_bound: 2,000 queries waiting 100 ms of I/O each at a budget of 64, workers running
    many at once, against the ideal schedule and the peers that do the same (io_bound.py);
 8. hosts: one queue on PostgreSQL through 1, 2 and 3 supervisors of 2 workers at a budget
-   of 6, no-op and 20 ms queries, each against one host's throughput (hosts.py).
+   of 6, no-op and 20 ms queries, each against one host's throughput (hosts.py);
+9. scale: curves, each point against the first: calls in flight in one process, backlog
+   depth, prefixes, supervisors on PostgreSQL (scale.py).
 
 Writes `<out>/benchmarks.json`, `<out>/benchmarks.md` (the tables) and, with matplotlib,
 `<out>/benchmarks.png`. Asserts nothing about speed.
@@ -30,26 +32,16 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from benchmarks import hosts, io_bound, ours, peers, reference
+from benchmarks import hosts, io_bound, ours, peers, reference, scale
 from benchmarks.measure import spread
-
-WORKLOADS = [
-    "throughput",
-    "idle_latency",
-    "dedup_storm",
-    "priority_burst",
-    "large_results",
-    "soak",
-    "io_bound",
-    "hosts",
-]
+from benchmarks.report import WORKLOADS, chart, scale_chart, summary, tables
 
 
 @dataclass(frozen=True)
@@ -66,6 +58,7 @@ class Sizes:
     postgres: int  # throughput queries on PostgreSQL (a network store: fewer)
     io_bound: int  # queries that wait 100 ms each
     hosts: int  # no-op queries through 1, 2 and 3 hosts on PostgreSQL (half as many of 20 ms)
+    scale: scale.Points
 
 
 # The workloads that set systems side by side run in rounds, one repetition of every
@@ -73,8 +66,10 @@ class Sizes:
 # README), each system then meets every hour of the run, not the one its turn fell in.
 COMPARED = ("throughput", "idle_latency", "dedup_storm", "priority_burst")
 
-FULL = Sizes(5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000, 5_000, 2_000, 3_000)
-QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000, 500, 640, 300)
+FULL = Sizes(
+    5, 20_000, 500, 1_000, 8, 400, 20, [1, 10, 100], 1_000_000, 5_000, 2_000, 3_000, scale.FULL
+)
+QUICK = Sizes(1, 1_000, 50, 200, 4, 60, 5, [1, 10], 3_000, 500, 640, 300, scale.QUICK)
 
 
 def machine() -> dict[str, Any]:
@@ -132,7 +127,7 @@ def run(
     return {
         "benchmark": "queryqueue suite",
         "machine": machine(),
-        "sizes": sizes.__dict__,
+        "sizes": asdict(sizes),
         "rows": rows,
         "skipped": skipped,
     }
@@ -217,6 +212,7 @@ def _plan(
             *([("peers", lambda: io_bound.peer_rows(s.io_bound, s.reps))] if with_peers else []),
         ],
         "hosts": [("queryqueue on PostgreSQL", lambda: hosts.rows(s.hosts, min(s.reps, 3)))],
+        "scale": scale.steps(s.scale, min(s.reps, 3), s.hosts),
     }
 
 
@@ -258,164 +254,6 @@ def _merged_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 k: round(statistics.median(v[k] for v in each(by_name)), 3) for k in row[by_name]
             }
     return row
-
-
-# -- output ------------------------------------------------------------------------------------
-
-
-def _fmt(value: float) -> str:
-    if value >= 100:
-        return f"{value:,.0f}"
-    if value >= 10:
-        return f"{value:.1f}"
-    return f"{value:.3g}"
-
-
-def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ours first, then the references and peers, each in the order measured."""
-    return sorted(rows, key=lambda r: not str(r.get("system", "")).startswith("queryqueue"))
-
-
-def tables(report: dict[str, Any]) -> str:
-    m = report["machine"]
-    lines = [
-        f"Machine: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gb']} GB, "
-        f"Python {m['python']}, {m['platform']}",
-        "",
-    ]
-    for workload in WORKLOADS:
-        rows = _ordered([r for r in report["rows"] if r.get("workload") == workload])
-        if not rows:
-            continue
-        lines += [
-            f"### {workload}",
-            "",
-            "| system | n | result (median, min-max) | latency p50 / p99 ms "
-            "| CPU s / 1000 | peak RSS MB | settings |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            if "unsupported" in r or "failed" in r or "skipped" in r:
-                note = r.get("unsupported") or r.get("skipped") or f"failed: {r['failed']}"
-                lines.append(f"| {r['system']} | | {note} | | | | |")
-                continue
-            result = f"{_fmt(r['median'])} {r['metric']} ({_fmt(r['min'])}-{_fmt(r['max'])})"
-            latency = r.get("latency_ms")
-            lat = f"{_fmt(latency['p50_ms'])} / {_fmt(latency['p99_ms'])}" if latency else ""
-            cpu = r.get("cpu_s_per_1000")
-            extra = ""
-            if "executions" in r and workload == "dedup_storm":
-                extra = f"executions: {r['executions']:.0f}; "
-            if "supervisor_rss_mb" in r:
-                rss = r["supervisor_rss_mb"]
-                extra = (
-                    f"supervisor RSS {rss['start']} / {rss['middle']} / {rss['end']} MB; "
-                    f"db {r['db_mb']} MB, WAL {r['wal_mb']} MB; "
-                )
-            if "of_ideal" in r:
-                extra += (
-                    f"{r['of_ideal']:.0%} of the ideal {r['ideal']['queries_per_s']:g} q/s, p99 "
-                    f"{r['p99_of_ideal']:.2f}x the ideal's {r['ideal']['p99_ms']:g} ms; "
-                )
-            if r.get("commands_per_query"):
-                extra += f"{r['commands_per_query']} supervisor commands per query"
-                batches = r.get("batches_per_query")
-                extra += f" in {batches} batches; " if batches else "; "
-            if r.get("cpu_ms_per_query"):
-                by_role = r["cpu_ms_per_query"]
-                extra += (
-                    f"CPU ms a query: supervisor {_fmt(by_role['supervisor'])}, workers "
-                    f"{_fmt(by_role['workers'])}, callers {_fmt(by_role['callers'])}; "
-                )
-            lines.append(
-                f"| {r['system']} | {r['n']:,} | {result} | {lat} "
-                f"| {_fmt(cpu['median']) if cpu else ''} | {r.get('peak_rss_mb', '')} "
-                f"| {extra}{r.get('settings', '')} |"
-            )
-        lines.append("")
-    for s in report["skipped"]:
-        lines.append(f"- skipped {s['system']}: {s['skipped']}")
-    return "\n".join(lines)
-
-
-def summary(report: dict[str, Any]) -> str:
-    """The short table for the README: one line per system and workload, medians."""
-    m = report["machine"]
-    lines = [
-        f"Measured on {m['cpu']}, {m['cpus']} CPUs, {m['memory_gb']} GB, Python {m['python']}"
-        " (medians; min-max, CPU and memory in `benchmarks/results/benchmarks.md`).",
-        "",
-        "| workload | system | result |",
-        "|---|---|---|",
-    ]
-    for workload in WORKLOADS:
-        for r in _ordered([r for r in report["rows"] if r.get("workload") == workload]):
-            if "median" not in r:
-                note = r.get("unsupported") or r.get("skipped") or r.get("failed", "")
-                lines.append(f"| {workload} | {r['system']} | {note} |")
-                continue
-            result = f"{_fmt(r['median'])} {r['metric']}"
-            latency = r.get("latency_ms")
-            if latency and r["metric"] != "executions":
-                result += f" (p99 {_fmt(latency['p99_ms'])} ms)"
-            if workload == "dedup_storm" and latency:
-                result += f", time to result p50 {_fmt(latency['p50_ms'])} / p99 {_fmt(latency['p99_ms'])} ms"
-            if "supervisor_rss_mb" in r:
-                rss = r["supervisor_rss_mb"]
-                result += (
-                    f"; supervisor RSS {rss['start']} / {rss['middle']} / {rss['end']} MB"
-                    f" (start / middle / end); db {r['db_mb']} MB, WAL {r['wal_mb']} MB"
-                )
-            lines.append(f"| {workload} | {r['system']} | {result} |")
-    return "\n".join(lines)
-
-
-def chart(report: dict[str, Any], path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no chart: matplotlib is not installed (pip install -e '.[bench]')"
-    panels = [
-        ("throughput", "queries/s (higher is better)"),
-        ("idle_latency", "p50 ms, enqueue to result (lower is better)"),
-        ("priority_burst", "p50 wait of urgent arrivals, ms (lower is better)"),
-        ("large_results", "GB/s to the caller (higher is better)"),
-    ]
-    present = [
-        (w, t)
-        for w, t in panels
-        if any(r.get("workload") == w and "median" in r for r in report["rows"])
-    ]
-    if not present:
-        return "no chart: nothing to plot"
-    figure, axes = plt.subplots(len(present), 1, figsize=(10, 3.2 * len(present)))
-    axes = [axes] if len(present) == 1 else list(axes)
-    for axis, (workload, title) in zip(axes, present, strict=True):
-        rows = _ordered(
-            [r for r in report["rows"] if r.get("workload") == workload and "median" in r]
-        )
-        names = [r["system"] for r in rows]
-        medians = [r["median"] for r in rows]
-        errors = [
-            [r["median"] - r["min"] for r in rows],
-            [r["max"] - r["median"] for r in rows],
-        ]
-        colors = ["#1f77b4" if n.startswith("queryqueue") else "#999999" for n in names]
-        axis.barh(names, medians, xerr=errors, color=colors)
-        axis.set_title(title, fontsize=10)
-        axis.invert_yaxis()
-        axis.tick_params(axis="y", labelsize=7)
-        if workload in ("idle_latency", "priority_burst", "throughput"):
-            axis.set_xscale("log")
-    m = report["machine"]
-    figure.suptitle(f"queryqueue benchmarks - {m['cpus']} CPUs, Python {m['python']}", fontsize=11)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return f"chart written to {path}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -486,5 +324,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "summary.md").write_text(summary(report) + "\n")
     print(text)
     print(chart(report, args.out / "benchmarks.png"))
+    print(scale_chart(report, args.out / "scale.png"))
     print(f"written to {args.out} in {report['seconds']} s")
     return 0

@@ -1,0 +1,139 @@
+"""The scale workload: what a query costs as the work grows along one axis at a time, each
+point against the curve's first (`of_first`).
+
+1. calls in flight in one asyncio process (1k, 10k, 50k), through a supervisor whose
+   connection parks at most 1,024 long polls: the client holds the rest. Throughput, and
+   the supervisor's memory beyond its base per call waiting;
+2. backlog (0, 100k, 1M pending items) on the SQLite store in process: an ADD, a
+   priority-10 retrieval past the backlog, `stats`, and a reconcile's read of the head
+   (scale_backlog.py);
+3. prefixes (1, 100, 1,000), one query in flight on each at the same total load: one
+   queue per prefix with its own budget, its caller running its queries, as Cube runs a
+   queue per tenant (scale_tenants.py);
+4. supervisors on one PostgreSQL queue (1, 2, 3), no-op and 20 ms queries: the hosts
+   workload (hosts.py), its rows repeated here.
+
+    python -m benchmarks --only scale
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from benchmarks import hosts, scale_backlog, scale_tenants
+from benchmarks.drive import Job, drive, supervisor_for
+from benchmarks.ours import summary_row
+
+LONG_POLLS = 1024  # the supervisor's default per connection
+
+
+@dataclass(frozen=True)
+class Points:
+    waiters: list[int]  # calls in flight at once in one process
+    waiter_calls: int  # queries at every point
+    backlog: list[int]  # items pending
+    prefixes: list[int]
+    tenant_calls: int  # queries at every point
+    idle_prefixes: int  # beside one busy prefix, the curve's last point
+
+
+FULL = Points(
+    [1_000, 10_000, 50_000], 50_000, [0, 100_000, 1_000_000], [1, 100, 1_000], 20_000, 10_000
+)
+QUICK = Points([1_000, 5_000], 5_000, [0, 10_000, 100_000], [1, 100, 1_000], 2_000, 1_000)
+
+
+def steps(
+    points: Points, reps: int, host_queries: int
+) -> list[tuple[str, Callable[[], list[dict[str, Any]]]]]:
+    return [
+        ("queryqueue calls in flight", lambda: waiters(points.waiters, points.waiter_calls, reps)),
+        ("queryqueue backlog", lambda: scale_backlog.rows(points.backlog)),
+        (
+            "queryqueue prefixes",
+            lambda: scale_tenants.rows(
+                points.prefixes, points.tenant_calls, reps, points.idle_prefixes
+            ),
+        ),
+        ("queryqueue supervisors on PostgreSQL", lambda: supervisors(host_queries, reps)),
+    ]
+
+
+def supervisors(n: int, reps: int) -> list[dict[str, Any]]:
+    """The hosts workload's rows as curves: no-op and 20 ms queries, 1, 2, 3 supervisors."""
+    made = hosts.rows(n, reps)
+    for row in made:
+        row["workload"] = "scale"
+        if "of_one_host" in row:
+            count = int(row["system"].split("(")[1].split()[0])
+            kind = "no-op" if "no-op" in row["system"] else "20 ms"
+            row.update(curve=f"supervisors, {kind} queries", point=count)
+            row["of_first"] = row["of_one_host"]
+    return made
+
+
+def curve_row(row: dict[str, Any], curve: str, point: int, first: float | None) -> float:
+    """Mark `row` as `point` of `curve`, with its median against the first point's."""
+    row["curve"], row["point"] = curve, point
+    first = first or row["median"]
+    row["of_first"] = round(row["median"] / first, 2) if first else None
+    return first
+
+
+def waiters(points: list[int], total: int, reps: int) -> list[dict[str, Any]]:
+    """`total` no-op queries from one process, `point` of them in flight at once."""
+    made = []
+    first: float | None = None
+    for point in points:
+        runs, per_call = [], []
+        for rep in range(reps):
+            with supervisor_for() as supervisor:
+                jobs = [[Job("noop", ["waiters", point, rep, i], {}) for i in range(total)]]
+                with _PeakRss(supervisor.pid) as rss:
+                    runs.append(drive(supervisor, jobs, in_flight=point))
+                per_call.append((rss.peak - rss.base) / point)
+        rates = [len(r.records) / r.wall for r in runs]
+        row = summary_row(
+            "scale",
+            f"queryqueue: {point:,} calls in flight in one process",
+            runs,
+            total,
+            settings=f"one asyncio process, {total:,} no-op queries, {point:,} at once; "
+            f"the supervisor parks {LONG_POLLS:,} long polls a connection, 2 workers",
+            metric=("queries/s", rates),
+            latency=True,
+        )
+        row["supervisor_bytes_per_call"] = round(max(per_call))
+        first = curve_row(row, "calls in flight", point, first)
+        made.append(row)
+    return made
+
+
+class _PeakRss:
+    """The supervisor's resident memory before a run, and the most seen during it."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.base = self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> _PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except psutil.Error:
+                return
