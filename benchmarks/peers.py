@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.drive import POSTGRES_URL, postgres_unavailable
 from benchmarks.measure import quantiles, spread
 
 HERE = Path(__file__).resolve().parent
@@ -56,7 +57,26 @@ IO_PEERS = [
     Peer("celery-threads", "celery", ("celery[redis]==5.7.0",), True, None),
     Peer("dramatiq-threads", "dramatiq", ("dramatiq[redis]==2.2.1",), True, None),
 ]
+# The PostgreSQL peers, on the server the PostgreSQL rows use (pg_peer_runner.py).
+PG_PEERS = [
+    Peer(
+        "pgqueuer",
+        "pgqueuer",
+        ("pgqueuer==1.6.0", "asyncpg==0.32.0", "typer==0.16.0", "psycopg[binary]==3.3.9"),
+        False,
+        None,
+    ),
+    Peer(
+        "procrastinate",
+        "procrastinate",
+        ("procrastinate==3.10.0", "psycopg[binary]==3.3.9"),
+        False,
+        None,
+    ),
+]
 LABELS = {
+    "pgqueuer": "pgqueuer 1.6 (PostgreSQL, asyncpg)",
+    "procrastinate": "procrastinate 3.10 (PostgreSQL, psycopg)",
     "saq": "saq 0.26 (async, Redis)",
     "arq": "arq 0.28 (async, Redis)",
     "celery-threads": "Celery 5.7 (threads pool, Redis)",
@@ -106,6 +126,8 @@ def available(
     for peer in PEERS if among is None else among:
         if peer.needs_redis and not redis:
             reason = "no Redis server on 127.0.0.1:6379"
+        elif peer in PG_PEERS and postgres_unavailable() is not None:
+            reason = str(postgres_unavailable())
         else:
             try:
                 ready.append((peer, ensure_venv(peer)))
@@ -119,11 +141,13 @@ def available(
 
 def run(python: Path, spec: dict[str, Any]) -> dict[str, Any]:
     runner = "io_peer_runner.py" if spec.get("workload") == "io_bound" else "peer_runner.py"
+    if any(spec["peer"] == p.name for p in PG_PEERS):
+        runner = "pg_peer_runner.py"
     done = subprocess.run(
         [str(python), str(HERE / runner), json.dumps(spec)],
         capture_output=True,
         text=True,
-        env={"PATH": "/usr/bin:/bin", "QQ_REDIS_URL": REDIS_URL},
+        env={"PATH": "/usr/bin:/bin", "QQ_REDIS_URL": REDIS_URL, "QQ_PG_URL": POSTGRES_URL},
         timeout=3600,
     )
     if done.returncode != 0:

@@ -106,7 +106,7 @@ def run(
     skipped: list[dict[str, Any]] = []
     ready: list[tuple[peers.Peer, Path]] = []
     if with_peers and any(w in only for w in ("throughput", "idle_latency", "priority_burst")):
-        ready, skipped = peers.available()
+        ready, skipped = peers.available(peers.PEERS + peers.PG_PEERS)
     done: list[dict[str, Any]] = []  # rows so far, kept if a long run is interrupted
 
     def measured(rows: list[dict[str, Any]]) -> None:
@@ -199,6 +199,7 @@ def _plan(
             *(
                 (p.name, partial(peers.priority_burst, p, py, s.backlog, s.urgent, s.reps))
                 for p, py in ready
+                if p in peers.PEERS
             ),
         ],
         "large_results": [
