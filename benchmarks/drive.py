@@ -409,22 +409,34 @@ class Setup:
     system: str
     hosts: Callable[[], AbstractContextManager[list[SupervisorProcess]]]
     settings: str
+    app: str = "app"  # bench_app's queue the callers ask
 
 
 def sqlite_setup(synchronous: str = "NORMAL") -> Setup:
     return Setup(
         f"queryqueue (SQLite {synchronous})",
         lambda: _one_host(supervisor_for("--synchronous", synchronous)),
-        f"2 workers, SQLite synchronous={synchronous}",
+        f"2 workers, SQLite synchronous={synchronous}, concurrency 2",
     )
 
 
-def postgres_setup(count: int) -> Setup:
+def postgres_setup(count: int, worker_concurrency: int = 1) -> Setup:
+    """`count` supervisors of 2 workers; with `worker_concurrency`, each worker runs that
+    many queries at once, on the hosts queue (a budget of 6) instead of the budget of 2."""
+    if worker_concurrency == 1:
+        return Setup(
+            f"queryqueue (PostgreSQL, {count} supervisor{'s' if count > 1 else ''})",
+            lambda: postgres_hosts(count),
+            f"{count} supervisor(s) x 2 workers on one local PostgreSQL "
+            "(READ COMMITTED, an advisory lock per prefix), concurrency 2",
+        )
+    options = ("--worker-concurrency", str(worker_concurrency))
     return Setup(
-        f"queryqueue (PostgreSQL, {count} supervisor{'s' if count > 1 else ''})",
-        lambda: postgres_hosts(count),
-        f"{count} supervisor(s) x 2 workers on one local PostgreSQL "
-        "(READ COMMITTED, an advisory lock per prefix)",
+        f"queryqueue (PostgreSQL, {count} supervisor, 2 workers x {worker_concurrency})",
+        lambda: postgres_hosts(count, *options, app="hosts"),
+        f"{count} supervisor(s) x 2 workers running {worker_concurrency} queries each on one "
+        f"local PostgreSQL, concurrency {2 * worker_concurrency}",
+        app="hosts",
     )
 
 

@@ -39,15 +39,15 @@ def throughput(
         runs = []
         for rep in range(reps):
             with setup.hosts() as hosts:
-                runs.append(drive(hosts, noop_shares(n, producers, f"t{rep}"), in_flight=in_flight))
+                shares = noop_shares(n, producers, f"t{rep}")
+                runs.append(drive(hosts, shares, in_flight=in_flight, app_name=setup.app))
         rows.append(
             summary_row(
                 "throughput",
                 setup.system,
                 runs,
                 n,
-                settings=f"{setup.settings}, {producers} request processes x {in_flight} "
-                "in flight, concurrency 2",
+                settings=f"{setup.settings}, {producers} request processes x {in_flight} in flight",
                 metric=("queries/s", [len(r.records) / r.wall for r in runs]),
             )
         )
@@ -56,7 +56,10 @@ def throughput(
 
 def postgres_throughput(n: int, reps: int) -> list[dict[str, Any]]:
     return postgres_or_skip(
-        "throughput", lambda: throughput(n, reps, [postgres_setup(1), postgres_setup(2)])
+        "throughput",
+        lambda: throughput(
+            n, reps, [postgres_setup(1), postgres_setup(1, worker_concurrency=3), postgres_setup(2)]
+        ),
     )
 
 
