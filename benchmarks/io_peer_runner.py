@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from measure import TreeMeter, redis_server_pids  # noqa: E402
-from peer_runner import collect, end  # noqa: E402
+from peer_runner import collect, end, warm  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PER_WORKER = 32
@@ -159,7 +159,8 @@ def run_once(spec: dict, rep: int) -> dict:
     context = multiprocessing.get_context("spawn")
     processes: list = []
     try:
-        _warm(context, peer, rep)
+        # The workers up and warm: a round of instant tasks answered.
+        warm(context, producer, peer, 64, 0.0, f"w{rep}")
         producers = spec["producers"]
         go, out = context.Event(), context.Queue()
         processes = [
@@ -181,26 +182,6 @@ def run_once(spec: dict, rep: int) -> dict:
     finally:
         end(processes, workers)
     return {"by_share": by_share, "peak_rss": meter.peak_rss}
-
-
-def _warm(context, peer: str, rep: int) -> None:
-    """The workers up and warm: a round of instant tasks answered (60 s at most)."""
-    out = context.Queue()
-    warm = context.Process(target=producer, args=(peer, 64, 0.0, f"w{rep}", _Set(), out, 0))
-    warm.start()
-    try:
-        out.get(timeout=60)
-    finally:
-        warm.join(10)
-        if warm.is_alive():
-            warm.terminate()
-
-
-class _Set:
-    """An event already set."""
-
-    def wait(self) -> bool:
-        return True
 
 
 def main() -> None:

@@ -238,6 +238,27 @@ def collect(out, processes: list, limit_s: float = 3600.0):
             raise RuntimeError(f"no records after {limit_s:.0f} s")
 
 
+def warm(context, target, *args) -> None:
+    """`target(*args, go, out, 0)` in a process of its own, `go` already set, waited for
+    until it reports (60 s at most): the peer's workers up and warm."""
+    out = context.Queue()
+    process = context.Process(target=target, args=(*args, AlreadySet(), out, 0))
+    process.start()
+    try:
+        out.get(timeout=60)
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.terminate()
+
+
+class AlreadySet:
+    """An event already set."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def plan(spec: dict):
     """Per request process: jobs (task, args, priority), sequential?, spacing, start offset."""
     workload = spec["workload"]

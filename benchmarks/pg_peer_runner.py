@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from measure import TreeMeter  # noqa: E402
-from peer_runner import collect, end, plan  # noqa: E402
+from peer_runner import collect, end, plan, warm  # noqa: E402
 
 BIN = Path(sys.executable).parent
 # How often a procrastinate caller looks for its finished jobs: at once for a caller
@@ -174,7 +174,8 @@ def run_once(spec: dict, rep: int) -> dict:
     context = multiprocessing.get_context("spawn")
     processes: list = []
     try:
-        _warm(context, peer)
+        # The workers up and warm: 50 jobs answered one after another.
+        warm(context, producer, peer, [("noop", (), 0)] * 50, True)
         shares, sequential, _, _ = plan(spec)
         go = [context.Event() for _ in shares]
         out = context.Queue()
@@ -205,28 +206,6 @@ def _libpq_env(dsn: str) -> dict[str, str]:
         "PGUSER": parts.username or "postgres",
         "PGDATABASE": parts.path.lstrip("/"),
     }
-
-
-def _warm(context, peer: str) -> None:
-    """The workers up and warm: 50 jobs answered one after another (60 s at most)."""
-    out = context.Queue()
-    warm = context.Process(
-        target=producer, args=(peer, [("noop", (), 0)] * 50, True, _Set(), out, 0)
-    )
-    warm.start()
-    try:
-        out.get(timeout=60)
-    finally:
-        warm.join(10)
-        if warm.is_alive():
-            warm.terminate()
-
-
-class _Set:
-    """An event already set."""
-
-    def wait(self) -> bool:
-        return True
 
 
 def main() -> None:
