@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.drive import Job, drive, postgres_hosts, postgres_unavailable
-from benchmarks.ours import summary_row
+from benchmarks.ours import curve_row, summary_row
 
 APP = "hosts"  # benchmarks.bench_app:hosts, budget 6
 HOSTS = (1, 2, 3)
@@ -60,8 +60,8 @@ def rows(n: int, reps: int) -> list[dict[str, Any]]:
                 metric=("queries/s", rates),
                 latency=True,
             )
-            one_host = one_host or row["median"]
-            row["of_one_host"] = round(row["median"] / one_host, 2)
+            one_host = curve_row(row, f"supervisors, {label} queries", count, one_host)
+            row["of_one_host"] = row["of_first"]
             row["settings"] = f"{row['of_one_host']}x one host's; {row['settings']}"
             made.append(row)
     return made

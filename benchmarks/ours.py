@@ -321,3 +321,12 @@ def summary_row(
         per_run = [quantiles(latency_of(r) if latency_of else r.latencies) for r in runs]
         row["latency_ms"] = {k: spread([q[k] for q in per_run])["median"] for k in per_run[0]}
     return row
+
+
+def curve_row(row: dict[str, Any], curve: str, point: int, first: float | None) -> float:
+    """Mark `row` as `point` of `curve`, with its median against the curve's first point
+    (`first`, None at the first): returns the first point's median."""
+    row["curve"], row["point"] = curve, point
+    first = first or row["median"]
+    row["of_first"] = round(row["median"] / first, 2) if first else None
+    return first

@@ -188,17 +188,24 @@ def run_once(spec: dict, workdir: Path) -> dict:
         for process in processes:
             process.start()
         time.sleep(1.0)  # imported and waiting
-        by_share = [[] for _ in shares]
         with TreeMeter(extra_pids=[] if peer == "huey-sqlite" else redis_server_pids()) as meter:
-            began = time.monotonic()
-            for event, offset in sorted(zip(go, offsets, strict=True), key=lambda g: g[1]):
-                time.sleep(max(0.0, began + offset - time.monotonic()))
-                event.set()
-            for index, records in collect(out, processes):
-                by_share[index] = records
+            by_share = go_and_collect(go, offsets, out, processes)
     finally:
         end(processes, workers)
     return {"by_share": by_share, "cpu_s": meter.cpu_s, "peak_rss": meter.peak_rss}
+
+
+def go_and_collect(go: list, offsets: list[float], out, processes: list) -> list:
+    """Tell each request process to go, `offsets` seconds after the first, then each
+    one's records, in the order of the processes."""
+    began = time.monotonic()
+    for event, offset in sorted(zip(go, offsets, strict=True), key=lambda g: g[1]):
+        time.sleep(max(0.0, began + offset - time.monotonic()))
+        event.set()
+    by_share = [[] for _ in processes]
+    for index, records in collect(out, processes):
+        by_share[index] = records
+    return by_share
 
 
 def end(processes: list, workers: list[subprocess.Popen]) -> None:

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from measure import TreeMeter  # noqa: E402
-from peer_runner import collect, end, plan, warm  # noqa: E402
+from peer_runner import end, go_and_collect, plan, warm  # noqa: E402
 
 BIN = Path(sys.executable).parent
 # How often a procrastinate caller looks for its finished jobs: at once for a caller
@@ -186,12 +186,8 @@ def run_once(spec: dict, rep: int) -> dict:
         for process in processes:
             process.start()
         time.sleep(1.0)  # imported and waiting
-        by_share = [[] for _ in shares]
         with TreeMeter() as meter:
-            for event in go:
-                event.set()
-            for index, records in collect(out, processes):
-                by_share[index] = records
+            by_share = go_and_collect(go, [0.0] * len(go), out, processes)
     finally:
         end(processes, workers)
     return {"by_share": by_share, "cpu_s": meter.cpu_s, "peak_rss": meter.peak_rss}

@@ -81,7 +81,7 @@ def _notes(r: dict[str, Any], workload: str) -> str:
             f"supervisor RSS {rss['start']} / {rss['middle']} / {rss['end']} MB; "
             f"db {r['db_mb']} MB, WAL {r['wal_mb']} MB; "
         )
-    if "of_first" in r:
+    if "of_first" in r and workload == "scale":
         extra += f"{r['of_first']}x the curve's first point; "
     if "supervisor_bytes_per_call" in r:
         extra += f"supervisor {r['supervisor_bytes_per_call']:,} bytes per call waiting; "

@@ -27,7 +27,7 @@ import psutil
 
 from benchmarks import hosts, scale_backlog, scale_tenants
 from benchmarks.drive import Job, drive, supervisor_for
-from benchmarks.ours import summary_row
+from benchmarks.ours import curve_row, summary_row
 
 LONG_POLLS = 1024  # the supervisor's default per connection
 
@@ -69,20 +69,7 @@ def supervisors(n: int, reps: int) -> list[dict[str, Any]]:
     made = hosts.rows(n, reps)
     for row in made:
         row["workload"] = "scale"
-        if "of_one_host" in row:
-            count = int(row["system"].split("(")[1].split()[0])
-            kind = "no-op" if "no-op" in row["system"] else "20 ms"
-            row.update(curve=f"supervisors, {kind} queries", point=count)
-            row["of_first"] = row["of_one_host"]
     return made
-
-
-def curve_row(row: dict[str, Any], curve: str, point: int, first: float | None) -> float:
-    """Mark `row` as `point` of `curve`, with its median against the first point's."""
-    row["curve"], row["point"] = curve, point
-    first = first or row["median"]
-    row["of_first"] = round(row["median"] / first, 2) if first else None
-    return first
 
 
 def waiters(points: list[int], total: int, reps: int) -> list[dict[str, Any]]:

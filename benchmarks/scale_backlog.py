@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.drive import REPO
+from benchmarks.measure import spread
+from benchmarks.ours import curve_row
 from queryqueue.driver_sqlite.store import SqliteQueueStore
 from queryqueue.supervisor.launch import launch
 
@@ -49,24 +51,19 @@ def rows(points: list[int]) -> list[dict[str, Any]]:
                 store.close()
             timings["stats over the socket"] = _socket_stats(db, Path(tmp) / "s.sock")
         for operation, median_us in timings.items():
-            first = firsts.setdefault(operation, median_us)
-            made.append(
-                {
-                    "workload": "scale",
-                    "system": f"queryqueue: {operation}, {pending:,} pending",
-                    "curve": f"backlog: {operation}",
-                    "point": pending,
-                    "n": SAMPLES,
-                    "repetitions": 1,
-                    "metric": "us (median)",
-                    "median": round(median_us, 1),
-                    "min": round(median_us, 1),
-                    "max": round(median_us, 1),
-                    "of_first": round(median_us / first, 2) if first else None,
-                    "settings": f"SQLite store in process, {pending:,} priority-0 items "
-                    f"pending on the queue, median of {SAMPLES}",
-                }
-            )
+            row: dict[str, Any] = {
+                "workload": "scale",
+                "system": f"queryqueue: {operation}, {pending:,} pending",
+                "n": SAMPLES,
+                "repetitions": 1,
+                "metric": "us (median)",
+                **spread([median_us]),
+                "settings": f"SQLite store in process, {pending:,} priority-0 items "
+                f"pending on the queue, median of {SAMPLES}",
+            }
+            curve = f"backlog: {operation}"
+            firsts[operation] = curve_row(row, curve, pending, firsts.get(operation))
+            made.append(row)
     return made
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from benchmarks.drive import REPO
 from benchmarks.measure import spread
+from benchmarks.ours import curve_row
 from queryqueue.driver_sqlite.store import SqliteQueueStore
 from queryqueue.supervisor import loops
 from queryqueue.supervisor.launch import launch
@@ -38,8 +39,6 @@ def rows(points: list[int], total: int, reps: int, idle: int) -> list[dict[str, 
         row: dict[str, Any] = {
             "workload": "scale",
             "system": f"queryqueue: {named}, one queue each{beside}",
-            "curve": "idle prefixes" if idle_ones else "prefixes",
-            "point": idle_ones or prefixes,
             "n": total,
             "repetitions": reps,
             "metric": "queries/s",
@@ -47,8 +46,8 @@ def rows(points: list[int], total: int, reps: int, idle: int) -> list[dict[str, 
             "settings": f"{PROCESSES} processes, {IN_FLIGHT:,} calls in flight over {named}, "
             f"budget {IN_FLIGHT // prefixes:,} each, no-op queries run by the callers",
         }
-        first = first or row["median"]
-        row["of_first"] = round(row["median"] / first, 2) if first else None
+        curve = "idle prefixes" if idle_ones else "prefixes"
+        first = curve_row(row, curve, idle_ones or prefixes, first)
         made.append(row)
     return made
 
