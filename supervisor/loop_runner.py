@@ -34,6 +34,9 @@ class LoopRunner(Runner):
         self.answered_at: float | None = None
         self.next_command = Gap()
 
+    def batch_limit(self) -> int:
+        return self.server.settings.loop_batch
+
     def order(self, batch: list[Request]) -> list[Request]:
         return acks_first(batch)
 

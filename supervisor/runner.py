@@ -98,9 +98,13 @@ class Runner:
     async def finish(self) -> None:
         """Stopping: what runs off the loop has ended."""
 
+    def batch_limit(self) -> int | None:
+        """The most commands a batch takes from the inbox (None: the inbox's own)."""
+        return None
+
     def take_batch(self) -> list[Request]:
         server = self.server
-        batch = self.order(server.inbox.take())
+        batch = self.order(server.inbox.take(self.batch_limit()))
         for connection in {request.connection for request in batch if request.connection.throttled}:
             connection.reader.resume()  # read again if the inbox held it back
         segments, shared = server.segments, server.store.shared

@@ -400,15 +400,16 @@ class QueueServer:
 
     def held_back(self, connection: Connection) -> bool:
         """Read no more from a client while its unsent answers pass the high-water mark,
-        too many of its requests wait for theirs, or a batch's worth waits in the inbox: a
-        flood from one client is read as the batches take it, and the rest (a worker's
-        ACK) is read meanwhile, not after the whole flood was parsed."""
+        too many of its requests wait for theirs, or a batch's worth (its runner's) waits
+        in the inbox: a flood from one client is read as the batches take it, and the rest
+        (a worker's ACK) is read meanwhile, not after the whole flood was parsed."""
         limits = connection.limits
         held = not connection.closed and (
             connection.in_flight >= limits.max_in_flight
             or connection.reader.writing_paused
             or connection.buffered() > limits.high_water
-            or self.inbox.queued_from(connection) >= self.inbox.max_batch
+            or self.inbox.queued_from(connection)
+            >= (self.runner.batch_limit() or self.inbox.max_batch)
         )
         if held and not connection.throttled:
             self.stats.throttled += 1

@@ -19,6 +19,12 @@ class Settings:
 
     max_frame: int = DEFAULT_MAX_FRAME  # bytes of one request or answer frame
     max_batch: int = 512  # commands in one transaction
+    # A batch on the event loop (SQLite's) holds the loop while it runs: a worker's ACK
+    # that arrives meanwhile waits for all of it, and the worker's next query with it. A
+    # burst of ADDs (thousands of callers at once) runs in batches this small, so a busy
+    # queue's workers are not left waiting for it. A lane's batch (PostgreSQL's) holds no
+    # loop and keeps `max_batch`: one commit and one round trip for more of it.
+    loop_batch: int = 64
     purge_interval: float = 10.0  # seconds between purges of an idle queue's expired results
     # When the pool's queries usually come back within this long of their hand-off, the
     # loop polls for their ACKs rather than sleep (core/linger.py `ack_due`), and for
@@ -39,5 +45,5 @@ class Settings:
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} must be 0 (off) or more, not {value!r}")
-        if self.max_batch < 1 or self.max_frame < 1:
-            raise ValueError("max_batch and max_frame must be 1 or more")
+        if min(self.max_batch, self.loop_batch, self.max_frame) < 1:
+            raise ValueError("max_batch, loop_batch and max_frame must be 1 or more")

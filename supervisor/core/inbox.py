@@ -41,11 +41,12 @@ class Inbox:
         """Requests of `connection` waiting behind the others (not freeing a slot)."""
         return self._queued_by.get(id(connection), 0)
 
-    def take(self) -> list[Request]:
+    def take(self, most: int | None = None) -> list[Request]:
         """The next batch: what was carried over, the commands freeing a slot, then what
-        arrived, at most `max_batch`."""
+        arrived, at most `most` (by default `max_batch`)."""
         batch: list[Request] = []
-        carried, freeing, queued, most = self.carried, self.freeing, self.queued, self.max_batch
+        carried, freeing, queued = self.carried, self.freeing, self.queued
+        most = self.max_batch if most is None else min(most, self.max_batch)
         while len(batch) < most and carried:
             batch.append(carried.popleft())
         while len(batch) < most and freeing:
