@@ -45,5 +45,7 @@ class Settings:
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} must be 0 (off) or more, not {value!r}")
-        if min(self.max_batch, self.loop_batch, self.max_frame) < 1:
-            raise ValueError("max_batch, loop_batch and max_frame must be 1 or more")
+        for name in ("max_batch", "loop_batch", "max_frame"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be 1 or more, not {value!r}")

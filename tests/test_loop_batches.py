@@ -91,5 +91,5 @@ async def test_a_client_with_a_batchs_worth_waiting_is_read_as_batches_take_it(
 
 
 def test_a_batch_size_below_one_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="loop_batch"):
+    with pytest.raises(ValueError, match="loop_batch must be 1 or more, not 0"):
         Settings(loop_batch=0)
