@@ -160,6 +160,11 @@ class Run:
         return max(r[1] for r in self.records) - min(r[0] for r in self.records)
 
     @property
+    def rate(self) -> float:
+        """Queries answered a second."""
+        return len(self.records) / self.wall
+
+    @property
     def latencies(self) -> list[float]:
         return [r[1] - r[0] for r in self.records]
 
@@ -229,7 +234,7 @@ def drive(
         leave.set()
     finally:
         leave.set()
-        _join_or_kill(processes)
+        join_or_kill(processes)
     supervisors = _used(roles_before[0], roles_after[0])
     workers = _used(roles_before[1], roles_after[1])
     by_role = {
@@ -276,7 +281,8 @@ def _producers(
     return processes, (ready, gos, leave, out)
 
 
-def _join_or_kill(processes: list[Any]) -> None:
+def join_or_kill(processes: list[Any]) -> None:
+    """Each process joined, or killed when it does not end within 30 s."""
     for process in processes:
         process.join(30)
         if process.is_alive():

@@ -49,7 +49,7 @@ def rows(n: int, reps: int) -> list[dict[str, Any]]:
                         for p in range(PRODUCERS)
                     ]
                     runs.append(drive(hosts, shares, in_flight=IN_FLIGHT, app_name=APP))
-            rates = [len(run.records) / run.wall for run in runs]
+            rates = [run.rate for run in runs]
             row = summary_row(
                 "hosts",
                 f"queryqueue ({count} host{'s' if count > 1 else ''}, {label} queries)",

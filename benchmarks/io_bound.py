@@ -83,7 +83,7 @@ def ours(n: int, reps: int, seconds: float = 0.1) -> list[dict[str, Any]]:
                         supervisor, _shares(n, handler, seconds, f"r{rep}"), in_flight=n,
                         app_name="io",
                     )  # fmt: skip
-            rates.append(len(run.records) / run.wall)
+            rates.append(run.rate)
             latencies.append(run.latencies)
             rss.append(meter.peak_rss / MiB)
             errors += run.errors
@@ -125,7 +125,7 @@ def postgres_example(n: int, reps: int, seconds: float = 0.05) -> list[dict[str,
                     run = drive(supervisor, shares, in_flight=n, app_name="pg_example")
             finally:
                 supervisor.stop()
-        rates.append(len(run.records) / run.wall)
+        rates.append(run.rate)
         latencies.append(run.latencies)
         rss.append(meter.peak_rss / MiB)
         errors += run.errors

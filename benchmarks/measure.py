@@ -87,12 +87,19 @@ REFRESH_TICKS = 25
 
 class TreeMeter:
     """`with TreeMeter() as meter: ...` then `meter.cpu_s`, `meter.peak_rss`: of this
-    process's tree, or of the trees of `roots` (a server and its workers, say)."""
+    process's tree, or of the trees of `roots` (a server and its workers, say), or of
+    `roots` alone (`children=False`). `meter.start_rss`: what they held as it began."""
 
     def __init__(
-        self, extra_pids: Sequence[int] = (), interval: float = 0.02, roots: Sequence[int] = ()
+        self,
+        extra_pids: Sequence[int] = (),
+        interval: float = 0.02,
+        roots: Sequence[int] = (),
+        children: bool = True,
     ) -> None:
         self.roots = [psutil.Process(pid) for pid in roots or [os.getpid()]]
+        self.children = children
+        self.start_rss = 0
         self.extra = [psutil.Process(pid) for pid in extra_pids if psutil.pid_exists(pid)]
         self.interval = interval
         self.cpu_s = 0.0
@@ -102,6 +109,8 @@ class TreeMeter:
         self._start_cpu = 0.0
 
     def _processes(self) -> list[psutil.Process]:
+        if not self.children:
+            return self.roots + self.extra
         return [process for root in self.roots for process in tree(root)] + self.extra
 
     def _sample(self) -> None:
@@ -117,7 +126,7 @@ class TreeMeter:
 
     def __enter__(self) -> TreeMeter:
         self._start_cpu = cpu_seconds(self._processes())
-        self.peak_rss = rss(self._processes())
+        self.peak_rss = self.start_rss = rss(self._processes())
         self._thread.start()
         return self
 

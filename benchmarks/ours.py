@@ -48,7 +48,7 @@ def throughput(
                 runs,
                 n,
                 settings=f"{setup.settings}, {producers} request processes x {in_flight} in flight",
-                metric=("queries/s", [len(r.records) / r.wall for r in runs]),
+                metric=("queries/s", [r.rate for r in runs]),
             )
         )
     return rows
@@ -257,7 +257,7 @@ def soak(n: int, producers: int = 4, in_flight: int = 64) -> list[dict[str, Any]
         [run],
         n,
         settings=f"2 workers, {producers} request processes x {in_flight} in flight",
-        metric=("queries/s", [len(run.records) / run.wall]),
+        metric=("queries/s", [run.rate]),
     )
     row.update(
         {

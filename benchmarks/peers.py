@@ -126,8 +126,8 @@ def available(
     for peer in PEERS if among is None else among:
         if peer.needs_redis and not redis:
             reason = "no Redis server on 127.0.0.1:6379"
-        elif peer in PG_PEERS and postgres_unavailable() is not None:
-            reason = str(postgres_unavailable())
+        elif peer in PG_PEERS and (down := postgres_unavailable()) is not None:
+            reason = down
         else:
             try:
                 ready.append((peer, ensure_venv(peer)))

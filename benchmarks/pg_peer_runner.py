@@ -156,7 +156,7 @@ def producer(peer: str, jobs: list, sequential: bool, go, out, index: int) -> No
     out.put((index, asyncio.run(_share(peer, jobs, sequential))))
 
 
-def run_once(spec: dict, rep: int) -> dict:
+def run_once(spec: dict) -> dict:
     peer = spec["peer"]
     dsn = fresh_database(os.environ["QQ_PG_URL"], f"qq_peer_{peer}")
     env = {**os.environ, "QQ_PEER": peer, "QQ_PG_DSN": dsn, "PYTHONPATH": str(HERE)}
@@ -207,7 +207,7 @@ def _libpq_env(dsn: str) -> dict[str, str]:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     _, settings = worker_commands(spec["peer"])
-    runs = [run_once(spec, rep) for rep in range(spec["reps"])]
+    runs = [run_once(spec) for _ in range(spec["reps"])]
     print(json.dumps({"runs": runs, "settings": settings}))
 
 

@@ -135,14 +135,25 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def chart(report: dict[str, Any], path: Path) -> str:
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files; None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no chart: matplotlib is not installed (pip install -e '.[bench]')"
+        return None
+    return plt
+
+
+NO_MATPLOTLIB = "matplotlib is not installed (pip install -e '.[bench]')"
+
+
+def chart(report: dict[str, Any], path: Path) -> str:
+    plt = _pyplot()
+    if plt is None:
+        return f"no chart: {NO_MATPLOTLIB}"
     panels = [
         ("throughput", "queries/s (higher is better)"),
         ("idle_latency", "p50 ms, enqueue to result (lower is better)"),
@@ -191,13 +202,9 @@ def scale_chart(report: dict[str, Any], path: Path) -> str:
             curves.setdefault(r["curve"], []).append((max(1, r["point"]), r["of_first"]))
     if not curves:
         return "no scale chart: no curve measured"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no scale chart: matplotlib is not installed (pip install -e '.[bench]')"
+    plt = _pyplot()
+    if plt is None:
+        return f"no scale chart: {NO_MATPLOTLIB}"
     figure, axis = plt.subplots(figsize=(10, 5))
     for name, points in curves.items():
         xs, ys = zip(*sorted(points), strict=True)

@@ -18,15 +18,13 @@ point against the curve's first (`of_first`).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
-
 from benchmarks import hosts, scale_backlog, scale_tenants
 from benchmarks.drive import Job, drive, supervisor_for
+from benchmarks.measure import TreeMeter
 from benchmarks.ours import curve_row, summary_row
 
 LONG_POLLS = 1024  # the supervisor's default per connection
@@ -81,10 +79,10 @@ def waiters(points: list[int], total: int, reps: int) -> list[dict[str, Any]]:
         for rep in range(reps):
             with supervisor_for() as supervisor:
                 jobs = [[Job("noop", ["waiters", point, rep, i], {}) for i in range(total)]]
-                with _PeakRss(supervisor.pid) as rss:
+                with TreeMeter(roots=[supervisor.pid], children=False) as meter:
                     runs.append(drive(supervisor, jobs, in_flight=point))
-                per_call.append((rss.peak - rss.base) / point)
-        rates = [len(r.records) / r.wall for r in runs]
+                per_call.append((meter.peak_rss - meter.start_rss) / point)
+        rates = [r.rate for r in runs]
         row = summary_row(
             "scale",
             f"queryqueue: {point:,} calls in flight in one process",
@@ -99,28 +97,3 @@ def waiters(points: list[int], total: int, reps: int) -> list[dict[str, Any]]:
         first = curve_row(row, "calls in flight", point, first)
         made.append(row)
     return made
-
-
-class _PeakRss:
-    """The supervisor's resident memory before a run, and the most seen during it."""
-
-    def __init__(self, pid: int) -> None:
-        self.process = psutil.Process(pid)
-        self.base = self.peak = self.process.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def __enter__(self) -> _PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                self.peak = max(self.peak, self.process.memory_info().rss)
-            except psutil.Error:
-                return

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.drive import REPO
+from benchmarks.drive import REPO, join_or_kill
 from benchmarks.measure import spread
 from benchmarks.ours import curve_row
 from queryqueue.driver_sqlite.store import SqliteQueueStore
@@ -80,17 +80,16 @@ def _one_run(prefixes: int, total: int, idle: int) -> float:
             ]
             for process in processes:
                 process.start()
-            for _ in processes:
-                ready.get(timeout=60)
-            began = time.monotonic()
-            go.set()
-            done = sum(out.get(timeout=1800) for _ in processes)
-            wall = time.monotonic() - began
-            leave.set()
-            for process in processes:
-                process.join(30)
-                if process.is_alive():
-                    process.kill()
+            try:
+                for _ in processes:
+                    ready.get(timeout=60)
+                began = time.monotonic()
+                go.set()
+                done = sum(out.get(timeout=1800) for _ in processes)
+                wall = time.monotonic() - began
+            finally:
+                leave.set()
+                join_or_kill(processes)
             return float(done / wall)
         finally:
             supervisor.stop()
