@@ -118,19 +118,21 @@ class Head:
     lost a row it needs (it was read full, and shrank below what is asked) or whose rows
     changed otherwise answers nothing, and the listing is read as it always was."""
 
-    __slots__ = ("cursor", "full", "limit", "prefix", "process_id", "rows", "valid")
+    __slots__ = ("cursor", "full", "limit", "local", "prefix", "process_id", "rows", "valid")
 
     def __init__(self, prefix: str, process_id: str | None, limit: int, cursor: Rows) -> None:
         self.prefix, self.process_id, self.limit = prefix, process_id, limit
         self.cursor: Rows | None = cursor
         self.rows: list[Item] = []
+        # The ids of the window's rows this store added (pool_head.py).
+        self.local: set[int] = set()
         self.full = False
         self.valid = True
 
     def _read(self) -> list[Item]:
         cursor, self.cursor = self.cursor, None
         if cursor is not None:
-            self.rows = [item_from_row(row) for row in cursor.fetchall()]
+            self.rows = read_window(cursor.fetchall(), self.local)
             self.full = len(self.rows) >= self.limit
         return self.rows
 
@@ -146,6 +148,7 @@ class Head:
         at = bisect.bisect([(-row.priority, row.id) for row in rows], order)
         if at < len(rows) or not self.full:  # past a full window: in the part not read
             rows.insert(at, item)
+            self.local.add(item.id)  # inserted by this store
 
     def gone(self, item: Item) -> None:
         """Activated or deleted: no longer pending."""
@@ -160,13 +163,30 @@ class Head:
     def drop(self) -> None:
         self.valid, self.cursor, self.rows = False, None, []
 
-    def head(self, prefix: str, process_id: str | None, limit: int) -> list[Item] | None:
+    def window(self, prefix: str, process_id: str | None, limit: int) -> list[Item] | None:
+        """Every row of the window, when its first `limit` are what a read would find."""
         if not self.valid or (prefix, process_id) != (self.prefix, self.process_id):
             return None
         rows = self._read()
         if self.full and len(rows) < limit:
             return None
-        return rows[:limit]
+        return rows
+
+    def head(self, prefix: str, process_id: str | None, limit: int) -> list[Item] | None:
+        rows = self.window(prefix, process_id, limit)
+        return None if rows is None else rows[:limit]
+
+
+def read_window(rows: list[tuple[Any, ...]], local: set[int]) -> list[Item]:
+    """A head's rows, each with whether this store added it last (`HEAD_WINDOW`), as
+    items; the ids it added, into `local`."""
+    items = []
+    for row in rows:
+        item = item_from_row(row[:-1])
+        if row[-1]:
+            local.add(item.id)
+        items.append(item)
+    return items
 
 
 @dataclass(slots=True)

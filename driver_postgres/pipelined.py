@@ -27,6 +27,7 @@ from queryqueue.driver_postgres.ahead import adds_read_ahead
 from queryqueue.driver_postgres.batch import Batch, Disconnected, Ending, Head, Redo, send_add_reads
 from queryqueue.driver_postgres.lean import Statements
 from queryqueue.driver_postgres.listening import AckListening
+from queryqueue.driver_postgres.pool_head import HEAD_SPARE, HEAD_WINDOW
 from queryqueue.driver_postgres.schema import PENDING
 from queryqueue.driver_postgres.statements import (
     FIND_BY_ID_IN_PREFIX,
@@ -37,10 +38,7 @@ from queryqueue.driver_postgres.statements import (
 from queryqueue.driver_postgres.transaction import PostgresTransaction
 from queryqueue.engine.add_rules import reuse_of
 from queryqueue.engine.errors import StoreError
-from queryqueue.engine.records import ITEM_COLUMNS
 
-# The rows a pool's PENDING head is read ahead with beyond what it asks for (`Head`).
-HEAD_SPARE = 8
 RECONNECT_BACKOFF = 0.05  # then doubled: the attempts span about a third of a second
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 
@@ -204,12 +202,7 @@ class PipelinedBatches(AckListening):
             prefix, process_id, limit = retrieval
             # Rows to spare: the batch's own activations and deletions take some away.
             window = limit + HEAD_SPARE
-            cursor = execute(
-                f"SELECT {ITEM_COLUMNS}, payload FROM items WHERE prefix = %s AND status = %s"
-                " AND (NOT exclusive OR process_id IS NOT DISTINCT FROM %s)"
-                " ORDER BY priority DESC, id LIMIT %s",
-                (prefix, PENDING, process_id, window),
-            )
+            cursor = execute(HEAD_WINDOW, (self.origin, prefix, PENDING, process_id, window))
             batch.head = Head(prefix, process_id, window, cursor)
         adds, batch.adds = batch.adds, []
         if adds:

@@ -119,6 +119,9 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "ALTER TABLE hosts SET (fillfactor = 50)",
         ],
     ),
+    # The store that added each item: its host's pool takes it first (pool_head.py).
+    # Items added before have none, and are every host's alike.
+    (5, ["ALTER TABLE items ADD COLUMN origin text"]),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

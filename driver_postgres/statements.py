@@ -62,13 +62,14 @@ INSERT_RESULT = (
     " expire = excluded.expire, external_id = excluded.external_id,"
     " consumed_by = excluded.consumed_by"
 )
+# An item's columns, then the store that adds it (pool_head.py).
 INSERT_ITEM = (
-    f"INSERT INTO items ({INSERTED_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
-    " %s, %s) RETURNING id, txid_current()"
+    f"INSERT INTO items ({INSERTED_COLUMNS}, origin) VALUES (%s, %s, %s, %s, %s, %s, %s, %s,"
+    " %s, %s, %s, %s, %s) RETURNING id, txid_current()"
 )
 INSERT_ITEM_WITH_ID = (
-    f"INSERT INTO items ({INSERTED_COLUMNS}, id) OVERRIDING SYSTEM VALUE VALUES (%s, %s, %s,"
-    " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    f"INSERT INTO items ({INSERTED_COLUMNS}, origin, id) OVERRIDING SYSTEM VALUE VALUES (%s,"
+    " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
 
 

@@ -14,6 +14,7 @@ import psycopg
 from queryqueue.driver_postgres.batch import AddReads, Head, Known, send_add_reads
 from queryqueue.driver_postgres.hosts import HostLease, owner_of
 from queryqueue.driver_postgres.lean import Executor, Rows
+from queryqueue.driver_postgres.pool_head import PoolHeads
 from queryqueue.driver_postgres.results import ResultRows
 from queryqueue.driver_postgres.schema import ACTIVE, PENDING
 from queryqueue.driver_postgres.statements import (
@@ -42,7 +43,7 @@ ACTIVE_PREFETCH = 32
 NO_SAVEPOINT = contextlib.nullcontext()
 
 
-class PostgresTransaction(ResultRows):
+class PostgresTransaction(ResultRows, PoolHeads):
     def __init__(
         self,
         conn: psycopg.Connection[Any],
@@ -229,7 +230,7 @@ class PostgresTransaction(ResultRows):
             else NO_SAVEPOINT
         )
         self.wrote = True
-        values = inserted_values(item)
+        values = (*inserted_values(item), self._origin or None)
         _, row = self._read_ahead("id", item.path)
         try:
             with savepoint:

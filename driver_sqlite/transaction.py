@@ -252,6 +252,9 @@ class SqliteTransaction:
             params.append(limit)
         return [item_from_row(row) for row in self._c.execute(sql, params)]
 
+    def pool_head(self, prefix: str, process_id: str, limit: int) -> list[Item]:
+        return self.items(prefix, "pending", process_id=process_id, with_payload=True, limit=limit)
+
     def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
         # Two index ranges on items_orphaned; NULL deadlines never satisfy `orphaned < ?`.
         # INDEXED BY, or the planner may walk PENDING instead.

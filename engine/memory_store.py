@@ -170,6 +170,9 @@ class MemoryTransaction:
             found = found[:limit]
         return found if with_payload else [replace(item, payload=None) for item in found]
 
+    def pool_head(self, prefix: str, process_id: str, limit: int) -> list[Item]:
+        return self.items(prefix, "pending", process_id=process_id, with_payload=True, limit=limit)
+
     def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
         found = [
             item

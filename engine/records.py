@@ -183,6 +183,12 @@ class StoreTransaction(Protocol):
         """Items visible to `process_id`: not exclusive, or exclusive and owned by it."""
         ...
 
+    def pool_head(self, prefix: str, process_id: str, limit: int) -> list[Item]:
+        """PENDING's head as a supervisor's pool takes it: `items("pending")`'s first
+        `limit`, with payloads. A store shared by hosts may put its own host's first,
+        within a priority and a bounded window of that head."""
+        ...
+
     def orphaned_items(self, prefix: str, now: int, orphaned_timeout_ms: int) -> list[Item]:
         """Pending items past their own deadline, or (without one) older than the timeout."""
         ...

@@ -42,7 +42,8 @@ class RetrieveNext(ABC):
         """The reconcile's PENDING then RETRIEVE per slot, as one command (not a QUEUE
         command: a supervisor runs it for its pool in the batch that freed a slot or added
         work). The head of PENDING as `process_id` sees it (at most `concurrency` rows,
-        priority desc, then queue id), each item moved to active in that order while the
+        priority desc, then queue id; a store shared by hosts may put its own host's
+        first: `pool_head`), each item moved to active in that order while the
         prefix has fewer than `concurrency` active, skipping the persistent keys of other
         processes (`may_run_in`); `start_query_time` as RETRIEVE's. A prefix with no slot or
         nothing pending costs one read. `min_priority`: none below it (the head stops there).
@@ -61,9 +62,7 @@ class RetrieveNext(ABC):
             pending, active = tx.counts(prefix)
             if active >= concurrency or pending == 0:
                 return found
-            head = tx.items(
-                prefix, "pending", process_id=process_id, with_payload=True, limit=concurrency
-            )
+            head = tx.pool_head(prefix, process_id, concurrency)
             for item in head:
                 if active >= concurrency or (limit is not None and len(found) >= limit):
                     break
