@@ -178,8 +178,8 @@ class Head:
 
 
 def read_window(rows: list[tuple[Any, ...]], local: set[int]) -> list[Item]:
-    """A head's rows, each with whether this store added it last (`HEAD_WINDOW`), as
-    items; the ids it added, into `local`."""
+    """A head's rows, each with whether this store added it (`HEAD_WINDOW`), as items;
+    the ids it added, into `local`."""
     items = []
     for row in rows:
         item = item_from_row(row[:-1])

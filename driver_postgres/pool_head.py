@@ -2,7 +2,7 @@
 
 Every item names the store that added it (`items.origin`). Within one priority, a pool
 takes the queries its own host's callers added ahead of those added through another host
-up to `LOCAL_FIRST_MS` earlier. Their results are then stored by the host whose callers
+less than `LOCAL_FIRST_MS` earlier. Their results are then stored by the host whose callers
 wait for them, which answers them as the ACK commits. A result stored by another host
 reaches its waiter through a NOTIFY and a transaction of the waiter's own: a round trip
 and a commit more for each result.
@@ -27,9 +27,10 @@ LOCAL_FIRST_MS = 100
 # The rows a head is read with beyond what is asked: the batch's own activations and
 # deletions take some away (`Head`), and the pool chooses its own host's among them.
 HEAD_SPARE = 8
-# PENDING's head in queue order, with whether this store added each row.
+# PENDING's head in queue order, with whether this store added each row (NULL: an item
+# added before items had an origin, nobody's own).
 HEAD_WINDOW = (
-    f"SELECT {ITEM_COLUMNS}, payload, origin IS NOT DISTINCT FROM %s FROM items"
+    f"SELECT {ITEM_COLUMNS}, payload, origin = %s FROM items"
     " WHERE prefix = %s AND status = %s AND (NOT exclusive OR process_id IS NOT DISTINCT FROM %s)"
     " ORDER BY priority DESC, id LIMIT %s"
 )
@@ -69,6 +70,6 @@ class PoolHeads(ABC):
                 return local_first(window, self._head.local, limit)
         local: set[int] = set()
         rows = self._all(
-            HEAD_WINDOW, (self._origin or None, prefix, PENDING, process_id, limit + HEAD_SPARE)
+            HEAD_WINDOW, (self._origin, prefix, PENDING, process_id, limit + HEAD_SPARE)
         )
         return local_first(read_window(rows, local), local, limit)
