@@ -255,7 +255,6 @@ class Batch:
     __slots__ = (
         "adds",
         "ahead",
-        "committing",
         "conn",
         "expected",
         "failure",
@@ -278,7 +277,6 @@ class Batch:
         self, conn: psycopg.Connection[Any], prefix: str | None, *, pipelined: bool = False
     ) -> None:
         self.conn = conn
-        self.committing: list[Callable[[], object]] = []  # `before_commit`
         self.prefix = prefix  # locked by the command that opens the transaction
         self.pipelined = pipelined
         self.locked: set[str] = set()

@@ -62,7 +62,6 @@ from queryqueue.driver_postgres.transaction import PostgresTransaction
 from queryqueue.driver_postgres.watchdog import Watchdog
 from queryqueue.engine.clock import Clock
 from queryqueue.engine.errors import StoreError
-from queryqueue.engine.group_commit import call_before_commit
 from queryqueue.engine.store import DEFAULT_RESULT_TTL_MS
 
 T = TypeVar("T")
@@ -226,7 +225,6 @@ class PostgresQueueStore(PipelinedBatches):
                     if batch.failure is not None:
                         raise batch.failure
                     batch.xid_cursors.append(batch.known.flush(batch.lean or conn))
-                    self._committing(batch)
                     if batch.pipelined:
                         self._commit_in_pipeline(batch, ending)
                 if conn.info.transaction_status not in (_IDLE, _INTRANS):
@@ -261,18 +259,10 @@ class PostgresQueueStore(PipelinedBatches):
     def nothing_pending_seen(self, prefix: str) -> bool:
         return prefix in self._none_pending
 
-    def before_commit(self, callback: Callable[[], object]) -> None:
-        batch: Batch | None = getattr(self._local, "batch", None)
-        if batch is not None:
-            batch.committing.append(callback)
-
-    @staticmethod
-    def _committing(batch: Batch) -> None:
-        """`before_commit`'s callbacks. In a pipelined batch its writes' answers are not
-        in yet either: one refused there has the batch run again (`Redo`), which calls
-        its own; what they started for nothing finds its item gone (an ACK of nothing)."""
-        callbacks, batch.committing = batch.committing, []
-        call_before_commit(callbacks)
+    # No `before_commit`: what a batch gives the workers waits for its COMMIT's answer.
+    # A COMMIT lost with its connection (a host cut off) leaves the items pending for
+    # every host: a worker given one as the COMMIT left would run it beside another
+    # host's run of it.
 
     @contextmanager
     def deferring_effects(self) -> Iterator[list[Callable[[], object]]]:

@@ -5,7 +5,6 @@ settings refused before anything is written (a folded schema name, a password in
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,6 @@ from queryqueue import StoreError
 from tests.pool_util import pool_server
 from tests.postgres_hosts_util import HEAD_READ, pipelined_statements
 from tests.postgres_util import URL
-from tests.trace import read_trace
-from tests.waiting import wait_until
 
 
 def test_a_pipelined_batchs_statements_read_as_psycopgs_cursors_would() -> None:
@@ -112,117 +109,35 @@ def test_a_statement_prepared_in_a_pipeline_that_failed_is_prepared_again() -> N
         store.close()
 
 
-def test_before_commit_runs_as_the_commit_leaves_not_after_it_is_answered() -> None:
-    """`before_commit` inside a batch: called once, on the batch's thread, after its
-    commands ran and before its COMMIT went (another connection does not see its writes
-    yet); outside a batch, never. What a server hands its workers then runs while the
-    COMMIT makes its round trip."""
+def test_what_a_batch_hands_its_workers_waits_for_its_commit() -> None:
+    """On PostgreSQL nothing is handed over as a batch's COMMIT leaves (`before_commit`
+    is never called): a COMMIT lost with a host's connection leaves its items pending
+    for the other hosts, and a worker given one meanwhile would run it beside theirs.
+    The batch's writes are all there once it is answered."""
     import psycopg
     from psycopg import sql
 
     from tests.postgres_util import postgres_store
 
     store = postgres_store()
-    seen: list[tuple[int, bool]] = []
+    seen: list[str] = []
     try:
         with psycopg.connect(URL, autocommit=True) as other:
             count = sql.SQL("SELECT count(*) FROM {}.items WHERE key = 'a'").format(
                 sql.Identifier(store.schema)
             )
 
-            def committing() -> None:
-                row = other.execute(count).fetchone()
-                assert row is not None
-                seen.append((row[0], threading.current_thread() is threading.main_thread()))
-
-            store.before_commit(lambda: seen.append((-1, False)))  # not in a batch: dropped
-
             def work() -> Any:
-                store.before_commit(committing)
+                store.before_commit(lambda: seen.append("as the COMMIT left"))
                 return store.add("p:a", "{}")
 
             added = store.batched(work, lambda _: None)
             assert added.added
-            assert seen == [(0, True)]  # once, here, before the COMMIT: nothing to see yet
+            assert seen == []
             row = other.execute(count).fetchone()
             assert row is not None and row[0] == 1
     finally:
         store.close()
-
-
-async def test_a_fast_tracked_query_goes_to_its_worker_before_its_batch_is_answered(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On PostgreSQL a batch commits on a lane; the item its ADD_AND_RETRIEVE retrieved
-    goes to the pool as the COMMIT leaves (`before_commit`), before the loop hears the
-    batch is done, not when it settles the batch; handed over once, and the query
-    answers."""
-    from tests.postgres_util import postgres_store
-
-    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    order: list[Any] = []
-    async with pool_server(postgres_store(), workdir) as (server, pool, queue):
-        submit, settle = pool.submit, server.runner.settle
-
-        def submitting(prefix: str, retrieved: Any) -> None:
-            order.append(("hand-off", retrieved.queue_id))
-            submit(prefix, retrieved)
-
-        def settling(batch: list[Any], *rest: Any) -> None:
-            order.append(("settled", [r.method for r in batch]))
-            settle(batch, *rest)
-
-        monkeypatch.setattr(pool, "submit", submitting)
-        monkeypatch.setattr(server.runner, "settle", settling)
-        answer = await queue.execute_in_queue(
-            "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
-        )
-    assert answer["key"] == "urgent"
-    handed = [i for i, (kind, _) in enumerate(order) if kind == "hand-off"]
-    assert len(handed) == 1, order
-    fast = next(
-        i
-        for i, (kind, what) in enumerate(order)
-        if kind == "settled" and "add_and_retrieve" in what
-    )
-    assert handed[0] < fast, order
-
-
-async def test_a_batch_run_again_after_its_early_hand_off_answers_and_leaves_nothing(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The fast track's item went to the worker as the batch's COMMIT was leaving, and the
-    batch did not commit: it runs again (guarded), and its item, inserted again under
-    another id, goes to the pool too. The first hand-off ran a query of nothing (its ACK
-    found no item); the caller gets its answer, and nothing is left queued or held."""
-    from queryqueue.driver_postgres import batch as batch_module
-    from queryqueue.driver_postgres import store as pg
-    from tests.postgres_util import postgres_store
-
-    monkeypatch.setenv("POOL_TRACE", str(workdir / "trace"))
-    commit = pg.PostgresQueueStore._commit_in_pipeline
-    failed: list[int] = []
-
-    def fails_once(batch: Any, ending: Any) -> None:
-        if batch.wrote and not failed:  # the ADD_AND_RETRIEVE's (nothing else writes)
-            failed.append(1)
-            raise batch_module.Redo  # as a write refused at the pipeline's end would
-        commit(batch, ending)
-
-    async with pool_server(postgres_store(), workdir) as (server, pool, queue):
-        store = server.store
-        monkeypatch.setattr(pg.PostgresQueueStore, "_commit_in_pipeline", staticmethod(fails_once))
-        answer = await queue.execute_in_queue(
-            "sql", "urgent", {"key": "urgent", "seconds": 0}, priority=10
-        )
-        monkeypatch.undo()
-        assert answer["key"] == "urgent"
-        assert failed == [1]
-        assert pool.describe()["handed_off"] == 2  # the phantom and the real one
-        await wait_until(lambda: not pool.running() and not pool.describe()["backlog"])
-        assert store.pending(queue.prefix) == [] and store.active(queue.prefix) == []
-    starts = [t for t in read_trace(workdir) if t[0] == "start"]
-    assert len(starts) == 2
 
 
 async def test_a_fast_tracked_querys_batch_reads_no_pending_head_for_the_pool(
