@@ -54,8 +54,8 @@ class GroupCommit:
     def before_commit(self, callback: Callable[[], object]) -> None:
         """Inside a `batch`, on its thread: `callback()` once its commands have run, as its
         COMMIT leaves, before the COMMIT's answer (so it is not known to have committed):
-        work the batch gave a worker starts while the COMMIT is on its way to PostgreSQL,
-        or while SQLite writes its WAL. A batch that does not get that far (it failed, or
+        work the batch gave a worker starts while SQLite writes its WAL. Not on a store
+        shared by hosts (PostgreSQL): a COMMIT lost there leaves the work to them. A batch that does not get that far (it failed, or
         runs again) drops it; a store with no COMMIT (in memory) never calls it. The ids
         such work carries are never given again, whether or not the COMMIT succeeds (a
         PostgreSQL sequence; SQLite's blocks, driver_sqlite/ids.py), so its ACK finds no

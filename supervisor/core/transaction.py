@@ -102,9 +102,8 @@ class BatchTransaction:
         for_pool: Retrieved | None,
     ) -> None:
         """What the batch gives the pool (the fast track's items, its retrieval) goes to
-        the workers as its COMMIT leaves, not once it is done (`before_commit`): a query
-        runs while the COMMIT makes its round trip to PostgreSQL, or while SQLite writes
-        its WAL; with it, the workers whose ACKs the batch carries are sent their next
+        the workers as its COMMIT leaves, not once it is done (`before_commit`), where
+        the store allows it: a query runs while SQLite writes its WAL; with it, the workers whose ACKs the batch carries are sent their next
         (`hand_over_committing`). Answers still wait for the commit, and so does the
         pool's word that those ACKs ended their queries (`Runner.note_acks`); `Runner.settle` then
         hands over only what was not. A batch that does not commit after
