@@ -132,7 +132,7 @@ class Head:
     def _read(self) -> list[Item]:
         cursor, self.cursor = self.cursor, None
         if cursor is not None:
-            self.rows = read_window(cursor.fetchall(), self.local)
+            self.rows = _read_window(cursor.fetchall(), self.local)
             self.full = len(self.rows) >= self.limit
         return self.rows
 
@@ -177,7 +177,7 @@ class Head:
         return None if rows is None else rows[:limit]
 
 
-def read_window(rows: list[tuple[Any, ...]], local: set[int]) -> list[Item]:
+def _read_window(rows: list[tuple[Any, ...]], local: set[int]) -> list[Item]:
     """A head's rows, each with whether this store added it (`HEAD_WINDOW`), as items;
     the ids it added, into `local`."""
     items = []

@@ -15,11 +15,10 @@ longer than its place in the queue.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Container
-from typing import Any
 
-from queryqueue.driver_postgres.batch import Head, read_window
+from queryqueue.driver_postgres.batch import Head
+from queryqueue.driver_postgres.lean import Executor
 from queryqueue.driver_postgres.schema import PENDING
 from queryqueue.engine.records import ITEM_COLUMNS, Item
 
@@ -51,25 +50,21 @@ def local_first(rows: list[Item], local: Container[int], limit: int) -> list[Ite
     return sorted(rows, key=order)[:limit]
 
 
-class PoolHeads(ABC):
+class PoolHeads:
     """`pool_head` for a command of the PostgreSQL store: a base of `PostgresTransaction`,
     which gives it its statements, its origin and its batch's head."""
 
+    _c: Executor
     _origin: str
     _head: Head | None
 
-    @abstractmethod
-    def _all(
-        self, query: str, params: tuple[Any, ...] | list[Any] = ()
-    ) -> list[tuple[Any, ...]]: ...
-
     def pool_head(self, prefix: str, process_id: str, limit: int) -> list[Item]:
-        if self._head is not None:
-            window = self._head.window(prefix, process_id, limit)
-            if window is not None:
-                return local_first(window, self._head.local, limit)
-        local: set[int] = set()
-        rows = self._all(
-            HEAD_WINDOW, (self._origin, prefix, PENDING, process_id, limit + HEAD_SPARE)
-        )
-        return local_first(read_window(rows, local), local, limit)
+        head = self._head
+        window = None if head is None else head.window(prefix, process_id, limit)
+        if head is None or window is None:  # read now, as a batch reads it ahead
+            cursor = self._c.execute(
+                HEAD_WINDOW, (self._origin, prefix, PENDING, process_id, limit + HEAD_SPARE)
+            )
+            head = Head(prefix, process_id, limit + HEAD_SPARE, cursor)
+            window = head.window(prefix, process_id, limit) or []
+        return local_first(window, head.local, limit)
