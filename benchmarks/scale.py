@@ -11,7 +11,9 @@ point against the curve's first (`of_first`).
    queue per prefix with its own budget, its caller running its queries, as Cube runs a
    queue per tenant (scale_tenants.py);
 4. supervisors on one PostgreSQL queue (1, 2, 3), no-op and 20 ms queries: the hosts
-   workload (hosts.py), its rows repeated here.
+   workload (hosts.py), its rows repeated here;
+5. the PostgreSQL peers (pgqueuer, procrastinate) beside queryqueue's PostgreSQL store,
+   throughput and idle latency (scale_peers.py).
 
     python -m benchmarks --only scale
 """
@@ -20,9 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from benchmarks import hosts, scale_backlog, scale_tenants
+from benchmarks import hosts, peers, scale_backlog, scale_peers, scale_tenants
 from benchmarks.drive import Job, drive, supervisor_for
 from benchmarks.measure import TreeMeter
 from benchmarks.ours import curve_row, summary_row
@@ -47,7 +50,12 @@ QUICK = Points([1_000, 5_000], 5_000, [0, 10_000, 100_000], [1, 100, 1_000], 2_0
 
 
 def steps(
-    points: Points, reps: int, host_queries: int
+    points: Points,
+    reps: int,
+    host_queries: int,
+    pg_peers: list[tuple[peers.Peer, Path]],
+    postgres_n: int,
+    latency_n: int,
 ) -> list[tuple[str, Callable[[], list[dict[str, Any]]]]]:
     return [
         ("queryqueue calls in flight", lambda: waiters(points.waiters, points.waiter_calls, reps)),
@@ -59,6 +67,10 @@ def steps(
             ),
         ),
         ("queryqueue supervisors on PostgreSQL", lambda: supervisors(host_queries, reps)),
+        (
+            "PostgreSQL peers",
+            lambda: scale_peers.rows(pg_peers, postgres_n, latency_n, reps),
+        ),
     ]
 
 

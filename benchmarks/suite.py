@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,8 +39,8 @@ from typing import Any
 import psutil
 
 from benchmarks import hosts, io_bound, ours, peers, reference, scale
-from benchmarks.measure import spread
 from benchmarks.report import WORKLOADS, chart, scale_chart, summary, tables
+from benchmarks.rounds import merged
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,13 @@ def run(
 ) -> dict[str, Any]:
     skipped: list[dict[str, Any]] = []
     ready: list[tuple[peers.Peer, Path]] = []
-    if with_peers and any(w in only for w in ("throughput", "idle_latency", "priority_burst")):
-        ready, skipped = peers.available(peers.PEERS + peers.PG_PEERS)
+    wanted: list[peers.Peer] = []
+    if any(w in only for w in ("throughput", "idle_latency", "priority_burst")):
+        wanted = peers.PEERS + peers.PG_PEERS
+    elif "scale" in only:
+        wanted = peers.PG_PEERS
+    if with_peers and wanted:
+        ready, skipped = peers.available(wanted)
     done: list[dict[str, Any]] = []  # rows so far, kept if a long run is interrupted
 
     def measured(rows: list[dict[str, Any]]) -> None:
@@ -121,7 +125,7 @@ def run(
         if sizes.reps > 1:
             print(f"round {number + 1} of {sizes.reps}", flush=True)
         rounds.append(_workloads(once, compared, ready, steps, measured, with_peers))
-    rows = _merged(rounds)
+    rows = merged(rounds)
     rest = [w for w in only if w not in COMPARED]
     rows += _workloads(sizes, rest, ready, steps, measured, with_peers)
     return {
@@ -213,48 +217,15 @@ def _plan(
             *([("peers", lambda: io_bound.peer_rows(s.io_bound, s.reps))] if with_peers else []),
         ],
         "hosts": [("queryqueue on PostgreSQL", lambda: hosts.rows(s.hosts, min(s.reps, 3)))],
-        "scale": scale.steps(s.scale, min(s.reps, 3), s.hosts),
+        "scale": scale.steps(
+            s.scale,
+            min(s.reps, 3),
+            s.hosts,
+            [(p, py) for p, py in ready if p in peers.PG_PEERS],
+            s.postgres,
+            s.latency,
+        ),
     }
-
-
-def _merged(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The rows of each round's one repetition, one row a system and workload, as if
-    its repetitions had run one after another (in the first round's order)."""
-    groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-    for rows in rounds:
-        for row in rows:
-            groups.setdefault((row.get("workload"), row.get("system")), []).append(row)
-    return [_merged_row(group) for group in groups.values()]
-
-
-def _merged_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    failed = [r for r in rows if "failed" in r]
-    if failed or len(rows) == 1 or any("samples" not in r for r in rows):
-        return failed[0] if failed else rows[0]  # a skip, a lack, a failure: as it came
-    row = dict(rows[0])
-    row.update(spread([v for r in rows for v in r["samples"]]))
-    row["repetitions"] = sum(r["repetitions"] for r in rows)
-
-    def each(key: str) -> list[Any]:
-        return [r[key] for r in rows if key in r]
-
-    if "cpu_s_per_1000" in row:
-        row["cpu_s_per_1000"] = spread([v for c in each("cpu_s_per_1000") for v in c["samples"]])
-    if "peak_rss_mb" in row:
-        row["peak_rss_mb"] = max(each("peak_rss_mb"))
-    if "errors" in row:
-        row["errors"] = sum(each("errors"))
-    if "executions" in row:
-        row["executions"] = statistics.median(each("executions"))
-    for mean in ("commands_per_query", "batches_per_query"):
-        if mean in row:
-            row[mean] = round(statistics.fmean(each(mean)), 2)
-    for by_name in ("cpu_ms_per_query", "latency_ms"):
-        if by_name in row:
-            row[by_name] = {
-                k: round(statistics.median(v[k] for v in each(by_name)), 3) for k in row[by_name]
-            }
-    return row
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""The benchmark suite's rounds (benchmarks/suite.py): each round runs one repetition of
+"""The benchmark suite's rounds (benchmarks/rounds.py): each round runs one repetition of
 every system, and a system's rounds become one row, as its repetitions in a row would."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.measure import spread
-from benchmarks.suite import _merged
+from benchmarks.rounds import merged
 
 
 def _row(system: str, rate: float, cpu: float, **extra: Any) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def test_a_systems_rounds_become_one_row_of_all_its_repetitions() -> None:
             _row("peer", 1000, 1.0),
         ],
     ]
-    ours, peer = _merged(rounds)
+    ours, peer = merged(rounds)
     assert (ours["system"], peer["system"]) == ("ours", "peer")  # the first round's order
     assert ours["repetitions"] == 3
     assert (ours["median"], ours["min"], ours["max"]) == (2000, 1000, 3000)
@@ -57,14 +57,14 @@ def test_a_skip_or_a_failure_in_any_round_is_kept_as_it_came() -> None:
         [_row("ours", 1000, 0.5), skipped],
         [failed, skipped],
     ]
-    ours, peer = _merged(rounds)
+    ours, peer = merged(rounds)
     assert ours == failed
     assert peer == skipped
 
 
 def test_one_round_is_left_as_it_is() -> None:
     rows = [_row("ours", 1000, 0.5), _row("peer", 900, 0.9)]
-    assert _merged([rows]) == rows
+    assert merged([rows]) == rows
 
 
 def test_the_idle_rows_are_the_two_paths_of_the_same_runs() -> None:
