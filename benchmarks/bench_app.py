@@ -119,3 +119,9 @@ pg_example = QueueApp("pg", concurrency=32, continue_wait_timeout=60.0)
 hosts = QueueApp("bench_hosts", concurrency=6, continue_wait_timeout=60.0)
 hosts.handler("noop")(noop)
 hosts.handler("sleep")(sleep)
+
+
+# Two workers running 10 queries each at a budget of 20: as many at once as a PostgreSQL
+# peer's two workers that take 10 jobs at a time (pgqueuer's default batch).
+wide = QueueApp("bench_wide", concurrency=20, continue_wait_timeout=60.0)
+wide.handler("noop")(noop)

@@ -428,7 +428,7 @@ def sqlite_setup(synchronous: str = "NORMAL") -> Setup:
 
 def postgres_setup(count: int, worker_concurrency: int = 1) -> Setup:
     """`count` supervisors of 2 workers; with `worker_concurrency`, each worker runs that
-    many queries at once, on the hosts queue (a budget of 6) instead of the budget of 2."""
+    many queries at once, on the wide queue (a budget of 20) instead of the budget of 2."""
     if worker_concurrency == 1:
         return Setup(
             f"queryqueue (PostgreSQL, {count} supervisor{'s' if count > 1 else ''})",
@@ -439,10 +439,10 @@ def postgres_setup(count: int, worker_concurrency: int = 1) -> Setup:
     options = ("--worker-concurrency", str(worker_concurrency))
     return Setup(
         f"queryqueue (PostgreSQL, {count} supervisor, 2 workers x {worker_concurrency})",
-        lambda: postgres_hosts(count, *options, app="hosts"),
+        lambda: postgres_hosts(count, *options, app="wide"),
         f"{count} supervisor(s) x 2 workers running {worker_concurrency} queries each on one "
-        f"local PostgreSQL, concurrency {2 * worker_concurrency}",
-        app="hosts",
+        f"local PostgreSQL, concurrency {2 * worker_concurrency}, budget 20",
+        app="wide",
     )
 
 

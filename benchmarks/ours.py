@@ -58,7 +58,9 @@ def postgres_throughput(n: int, reps: int) -> list[dict[str, Any]]:
     return postgres_or_skip(
         "throughput",
         lambda: throughput(
-            n, reps, [postgres_setup(1), postgres_setup(1, worker_concurrency=3), postgres_setup(2)]
+            n,
+            reps,
+            [postgres_setup(1), postgres_setup(1, worker_concurrency=10), postgres_setup(2)],
         ),
     )
 
