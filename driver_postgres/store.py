@@ -161,6 +161,10 @@ class PostgresQueueStore(PipelinedBatches):
                 # Says whose connection this is in pg_stat_activity.
                 application_name=application_name or f"queryqueue:{self.schema}",
             )
+            # psycopg prepares what a connection runs often, and drops every prepared
+            # statement of the session on a ROLLBACK (DEALLOCATE ALL), the batches' own
+            # (lean.py) with its: preparing is left to them.
+            conn.prepare_threshold = None
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to the queue database: {exc}") from exc
         self._watchdog.track(conn)

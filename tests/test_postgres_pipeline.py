@@ -73,6 +73,29 @@ def test_a_pipelined_batchs_statements_read_as_psycopgs_cursors_would() -> None:
         store.close()
 
 
+def test_a_rollback_on_the_stores_connection_keeps_its_prepared_statements() -> None:
+    """psycopg prepares a statement that a connection runs often, and on a ROLLBACK
+    (or a DROP) drops every prepared statement of the session (DEALLOCATE ALL), the
+    store's own with its: the store's connections leave preparing to the store."""
+    from tests.postgres_util import postgres_store
+
+    store = postgres_store()
+    try:
+        # A batch: its statements are prepared by the store (lean.py).
+        assert store.batched(lambda: store.add("p:a", "{}"), lambda _: None).id is not None
+        conn = store.connection()
+        for _ in range(10):
+            conn.execute("SELECT 1").fetchone()
+        conn.rollback()
+        held = {row[0] for row in conn.execute("SELECT name FROM pg_prepared_statements")}
+        conn.rollback()  # left idle, as a batch leaves it
+        believed = store._statements._by_conn[conn].names
+        assert believed and {name.decode() for name in believed.values()} <= held
+        assert store.batched(lambda: store.add("p:b", "{}"), lambda _: None).id is not None
+    finally:
+        store.close()
+
+
 def test_a_statement_prepared_in_a_pipeline_that_failed_is_prepared_again() -> None:
     """A statement is the connection's, under its name, once the server answered its
     PREPARE: one whose PREPARE the pipeline skipped (an earlier statement failed) is
