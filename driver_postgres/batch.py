@@ -25,6 +25,7 @@ from queryqueue.driver_postgres.statements import (
 from queryqueue.engine.counts import CountChanges
 from queryqueue.engine.errors import StoreError
 from queryqueue.engine.records import Item, ResultReuse, item_from_row
+from queryqueue.engine.responses import QueueKey
 from queryqueue.engine.result_rules import SHARED_REFERENCE_MARK
 
 
@@ -264,6 +265,7 @@ class Batch:
         "known",
         "lean",
         "locked",
+        "origins",
         "pipelined",
         "prefix",
         "retrieval",
@@ -301,6 +303,9 @@ class Batch:
         # (prefix, process id, rows), its head read ahead too (`head`).
         self.retrieval: tuple[str, str | None, int] | None = None
         self.head: Head | None = None
+        # Which items this store added, as its commands that succeeded found them
+        # (watches.py), by id and by path.
+        self.origins: dict[QueueKey, tuple[bool, str]] = {}
 
     def answered_xid(self) -> int | None:
         """The transaction's id, if a read or a write's answer gave it already."""

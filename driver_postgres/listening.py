@@ -181,6 +181,9 @@ class AckListening(QueueStore):
                 return
             if "hello" in note:  # another host has started listening
                 self.others_listen = True
+                # This host's waiters watched nothing while it listened alone: they look
+                # again, and watch (watches.py).
+                self.listen_epoch += 1
                 return
             event = AckEvent(
                 int(note["id"]), str(note["path"]), None if note["null"] else _FETCH, note["ext"]

@@ -38,11 +38,14 @@ class ResultRows(ABC):
     @abstractmethod
     def _note(self, id: QueueId, path: str, null: bool, external_id: str | None) -> str: ...
 
+    @abstractmethod
+    def _notify_condition(self, item_id: int, path: str) -> tuple[str, tuple[str, ...]]: ...
+
     def insert_result(self, result: StoredResult) -> None:
         # A result is only ever inserted as its item is completed (an ACK, or a CANCEL
         # with a result), which then notifies the other hosts listening (`acked`): the
         # NOTIFY rides on this INSERT, one statement (a round of psycopg and a backend
-        # wake-up) fewer; with none listening, there is none.
+        # wake-up) fewer; with none listening, there is none (watches.py: whom it tells).
         values = (
             result.id,
             result.path,
@@ -56,12 +59,14 @@ class ResultRows(ABC):
             self._write(INSERT_RESULT, values)
             return
         self._notified.add(result.id)
+        condition, params = self._notify_condition(result.id, result.path)
         self._write(
-            f"WITH stored AS ({INSERT_RESULT}) SELECT pg_notify(%s, %s)",
+            f"WITH stored AS ({INSERT_RESULT}) SELECT pg_notify(%s, %s){condition}",
             (
                 *values,
                 self._channel,
                 self._note(result.id, result.path, False, result.external_id),
+                *params,
             ),
         )
 
@@ -118,10 +123,13 @@ class ResultRows(ABC):
     def purge_expired_results(self, now: int, limit: int) -> int:
         # A bounded batch, skipping rows another host is purging: never a long lock.
         # Counted by the statement: a pipelined write has no row count to read yet.
+        # Expired watches (watches.py) go with them, in the same statement.
         row = self._write(
             "WITH gone AS (DELETE FROM results WHERE id IN (SELECT id FROM results"
-            " WHERE expire <= %s LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING 1)"
+            " WHERE expire <= %s LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING 1),"
+            " unwatched AS (DELETE FROM watches WHERE path IN (SELECT path FROM watches"
+            " WHERE expire <= %s LIMIT %s FOR UPDATE SKIP LOCKED))"
             " SELECT count(*) FROM gone",
-            (now, limit),
+            (now, limit, now, limit),
         ).fetchone()
         return 0 if row is None else int(row[0])

@@ -122,6 +122,9 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     # The store that added each item: its host's pool takes it first (pool_head.py).
     # Items added before have none, and are every host's alike.
     (5, ["ALTER TABLE items ADD COLUMN origin text"]),
+    # The paths a host's long polls wait on where another host may complete the query
+    # unannounced (watches.py), until `expire` (ms).
+    (6, ["CREATE TABLE watches (path text PRIMARY KEY, expire bigint NOT NULL)"]),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

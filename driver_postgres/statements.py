@@ -22,15 +22,13 @@ NEXT_SAVEPOINT = "RELEASE SAVEPOINT command; SAVEPOINT command"
 UNDO_SAVEPOINT = "ROLLBACK TO SAVEPOINT command"
 # The reads an ADD may make, the same text whether sent ahead (`expect_add`) or not.
 # Locking the row found gives the transaction its id (the row's locker): read with it,
-# what a lost COMMIT is looked up by costs no statement (`_commit_in_pipeline`).
-FIND_BY_PATH = (
-    f"SELECT {ITEM_COLUMNS}, txid_current() FROM items WHERE prefix = %s AND key = %s FOR UPDATE"
-)
+# what a lost COMMIT is looked up by costs no statement (`_commit_in_pipeline`). The
+# store that added the item comes with it (watches.py).
+FOUND_COLUMNS = f"{ITEM_COLUMNS}, origin, txid_current()"
+FIND_BY_PATH = f"SELECT {FOUND_COLUMNS} FROM items WHERE prefix = %s AND key = %s FOR UPDATE"
 EXTERNAL_ID_TAKEN = "SELECT 1 FROM items WHERE external_id = %s"
 # An ACK's item, read with the batch's first statements (`PostgresQueueStore.expect`).
-FIND_BY_ID_IN_PREFIX = (
-    f"SELECT {ITEM_COLUMNS}, txid_current() FROM items WHERE id = %s AND prefix = %s FOR UPDATE"
-)
+FIND_BY_ID_IN_PREFIX = f"SELECT {FOUND_COLUMNS} FROM items WHERE id = %s AND prefix = %s FOR UPDATE"
 LATEST_RESULT_BY_PATH = (
     f"SELECT {RESULT_COLUMNS} FROM results WHERE path = %s AND expire > %s"
     " AND NOT taken ORDER BY id DESC LIMIT 1 FOR UPDATE"

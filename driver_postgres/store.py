@@ -302,6 +302,7 @@ class PostgresQueueStore(PipelinedBatches):
             executor=batch.lean,
             batch_ahead=batch.ahead,
             lease=self.lease,
+            origins=batch.origins,
         )
         try:
             with self._watchdog.watching(conn):
@@ -330,6 +331,7 @@ class PostgresQueueStore(PipelinedBatches):
         batch.xid_cursors += tx.xid_cursors
         batch.locked |= tx._locked
         batch.known = tx.known
+        batch.origins.update(tx.origins)
         batch.wrote = batch.wrote or tx.wrote
         outer.extend(effects)
 

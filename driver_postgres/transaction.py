@@ -24,6 +24,7 @@ from queryqueue.driver_postgres.statements import (
     INSERT_ITEM_WITH_ID,
     prefix_lock_key,
 )
+from queryqueue.driver_postgres.watches import Watches
 from queryqueue.engine.errors import ExternalIdConflictError
 from queryqueue.engine.records import (
     ITEM_COLUMNS,
@@ -43,7 +44,7 @@ ACTIVE_PREFETCH = 32
 NO_SAVEPOINT = contextlib.nullcontext()
 
 
-class PostgresTransaction(ResultRows, PoolHeads):
+class PostgresTransaction(Watches, ResultRows, PoolHeads):
     def __init__(
         self,
         conn: psycopg.Connection[Any],
@@ -59,6 +60,7 @@ class PostgresTransaction(ResultRows, PoolHeads):
         executor: Executor | None = None,
         batch_ahead: dict[str, AddReads] | None = None,
         lease: HostLease | None = None,
+        origins: dict[QueueKey, tuple[bool, str]] | None = None,
     ) -> None:
         self._conn = conn
         self._lease = lease  # this host's, whose owner its activations name (hosts.py)
@@ -91,6 +93,8 @@ class PostgresTransaction(ResultRows, PoolHeads):
         # commands, each dropped once a command changes its item (it would be stale).
         self._foreseen = foreseen if foreseen is not None else {}
         self._head = head
+        self._batch_origins = origins if origins is not None else {}
+        self.origins = {}
 
     def _write_item(
         self, item: Item, query: str, params: tuple[Any, ...], *, pending: bool = True
@@ -175,7 +179,7 @@ class PostgresTransaction(ResultRows, PoolHeads):
         return True, cursor.fetchone()
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
-        columns = ITEM_COLUMNS + (", payload" if with_payload else "") + ", txid_current()"
+        columns = ITEM_COLUMNS + (", payload" if with_payload else "") + ", origin, txid_current()"
         if isinstance(key, int):
             cursor = None if with_payload else self._foreseen.pop(key, None)
             if cursor is not None:
@@ -209,9 +213,12 @@ class PostgresTransaction(ResultRows, PoolHeads):
         return None if row is None else self._found(row)
 
     def _found(self, row: tuple[Any, ...]) -> Item:
+        """An item read with its store of origin and the transaction's id (FOUND_COLUMNS)."""
         if self.xid is None:
             self.xid = int(row[-1])
-        return item_from_row(row[:-1])
+        item = item_from_row(row[:-2])
+        self._seen(item, row[-2])
+        return item
 
     def external_id_taken(self, external_id: str) -> bool:
         sent, row = self._read_ahead("external_id", external_id)
@@ -249,6 +256,7 @@ class PostgresTransaction(ResultRows, PoolHeads):
             ) from exc
         assert row is not None
         self.xid = int(row[1])
+        self._seen(replace(item, id=int(row[0])), self._origin)
         if self._head is not None:
             self._head.inserted(replace(item, id=int(row[0])))
         if item.status == "pending":
@@ -428,7 +436,8 @@ class PostgresTransaction(ResultRows, PoolHeads):
         if item.id in self._notified or self._channel is None:
             return  # with its result's INSERT, or nobody else listens
         note = self._note(item.id, item.path, result is None, item.external_id)
-        self._write("SELECT pg_notify(%s, %s)", (self._channel, note))
+        condition, params = self._notify_condition(item.id, item.path)
+        self._write(f"SELECT pg_notify(%s, %s){condition}", (self._channel, note, *params))
 
     def _note(self, id: QueueId, path: str, null: bool, external_id: str | None) -> str:
         note = {"id": id, "path": path, "null": null, "ext": external_id, "from": self._origin}

@@ -375,6 +375,9 @@ class SqliteTransaction:
     def acked(self, item: Item, result: str | None) -> None:
         pass  # one process: waiters are woken in process, after the commit
 
+    def watch(self, key: QueueKey, now: int) -> None:
+        pass  # one process: every ACK wakes its waiters
+
     def truncate(self) -> None:
         self._write()
         # DELETE rather than DROP: AUTOINCREMENT keeps counting, so ids are never reused.

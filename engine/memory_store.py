@@ -280,6 +280,9 @@ class MemoryTransaction:
     def acked(self, item: Item, result: str | None) -> None:
         pass  # one process: waiters are woken in process, after the commit
 
+    def watch(self, key: QueueKey, now: int) -> None:
+        pass  # one process: every ACK wakes its waiters
+
     def truncate(self) -> None:
         s = self._s
         snapshot = (

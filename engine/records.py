@@ -228,6 +228,12 @@ class StoreTransaction(Protocol):
         tells the others here (their RESULT_BLOCKING waiters); others do nothing."""
         ...
 
+    def watch(self, key: QueueKey, now: int) -> None:
+        """A long poll of this process is about to look for `key`'s result, then wait for
+        its ACK: a store shared by several processes makes sure that an ACK elsewhere
+        tells this one, before the look, in its transaction; others do nothing."""
+        ...
+
 
 def result_response(found: StoredResult) -> ResultResponse:
     return ResultResponse(

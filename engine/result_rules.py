@@ -45,7 +45,9 @@ def lookup_result(
 def blocking_lookup(tx: StoreTransaction, key: QueueKey, now: int) -> ResultResponse | None:
     """RESULT_BLOCKING's first look: RESULT's rules, except that a waiter by id takes the
     path result as it does when woken, so whether the ACK came before or after it
-    subscribed makes no difference."""
+    subscribed makes no difference. Watched first: an ACK elsewhere after the look
+    tells this process."""
+    tx.watch(key, now)
     found = lookup_result(tx, key, None, now)
     if found is not None and isinstance(key, int):
         tx.mark_result_consumed(found.id)

@@ -189,7 +189,8 @@ def test_an_ack_notifies_only_while_another_host_listens(
 ) -> None:
     """A NOTIFY is for other hosts' waiters (this host's are woken in-process): a store
     whose listener counts no other on its channel sends none with its ACKs; one that
-    starts listening says so (its hello), and ACKs notify again until it has gone."""
+    starts listening says so (its hello), and ACKs of its queries notify again until it
+    has gone."""
     from queryqueue.driver_postgres import listening
     from queryqueue.driver_postgres import store as pg
 
@@ -205,7 +206,7 @@ def test_an_ack_notifies_only_while_another_host_listens(
         try:
             wait_until_sync(lambda: a.others_listen, within=30, what="a heard of b")
             published = record_calls(monkeypatch, b, "_publish")
-            two = a.add("p:two", "{}").id
+            two = b.add("p:two", "{}").id
             assert a.ack(two, '"r2"').success
             assert [s for s in statements if "pg_notify" in s]
             wait_until_sync(
