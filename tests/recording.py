@@ -20,3 +20,18 @@ def record_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list
 
     monkeypatch.setattr(owner, name, recorded)
     return calls
+
+
+def record_returns(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[Any]:
+    """What every call of `owner.name` from now on returned, once it has returned (a call
+    still running is not in it yet); the call itself runs as before."""
+    returned: list[Any] = []
+    real = getattr(owner, name)
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        value = real(*args, **kwargs)
+        returned.append(value)
+        return value
+
+    monkeypatch.setattr(owner, name, recorded)
+    return returned

@@ -15,7 +15,7 @@ from queryqueue import SocketQueueDriver, StoreError
 from queryqueue.engine.clock import ManualClock
 from tests.postgres_hosts_util import recorded_statements
 from tests.postgres_util import URL, Proxy, break_store_connections, lock_waiters, pg_host
-from tests.recording import record_calls
+from tests.recording import record_calls, record_returns
 from tests.waiting import wait_until, wait_until_sync
 
 
@@ -236,15 +236,7 @@ async def test_a_new_listeners_waiters_look_again_once_other_hosts_heard_of_it(
     a = pg.PostgresQueueStore(URL, schema=schema)
     monkeypatch.setattr(a, "_notifying", lambda: None)  # it never heard of b
     b = pg.PostgresQueueStore(URL, schema=schema, recheck_ms=100)
-    looks: list[Any] = []  # what each of b's looks found, as it ended
-    lookup = b._lookup
-
-    def looked(key: Any) -> Any:
-        found = lookup(key)
-        looks.append(found)
-        return found
-
-    monkeypatch.setattr(b, "_lookup", looked)
+    looks = record_returns(monkeypatch, b, "_lookup")  # what each of b's looks found
     try:
         first_epoch = b.listen_epoch
         item = a.add("p:k", "{}").id

@@ -14,7 +14,7 @@ import pytest
 from queryqueue.driver_postgres.watches import WATCH_MS
 from queryqueue.engine.clock import ManualClock
 from tests.postgres_util import URL, postgres_store, require_postgres
-from tests.recording import record_calls
+from tests.recording import record_calls, record_returns
 from tests.waiting import wait_until, wait_until_sync
 
 # Longer than any test: a waiter that missed its ACK would not look again within it.
@@ -42,20 +42,6 @@ def watched(store: Any) -> list[str]:
     return [row[0] for row in rows]
 
 
-def looks(monkeypatch: pytest.MonkeyPatch, store: Any) -> list[Any]:
-    """What each look `store`'s long polls made at the table found, once it ended."""
-    found: list[Any] = []
-    lookup = store._lookup
-
-    def looked(key: Any) -> Any:
-        result = lookup(key)
-        found.append(result)
-        return result
-
-    monkeypatch.setattr(store, "_lookup", looked)
-    return found
-
-
 def test_an_ack_of_a_hosts_own_query_nobody_watches_tells_no_other_host(
     hosts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,7 +66,7 @@ async def test_a_waiter_for_a_query_not_added_yet_is_woken_by_the_other_hosts_ac
     hosts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = hosts
-    looked = looks(monkeypatch, b)
+    looked = record_returns(monkeypatch, b, "_lookup")
     waiter = asyncio.ensure_future(b.result_blocking("p:later", 60_000))
     await wait_until(lambda: looked == [None], within=30)
     assert watched(b) == ["p:later"]
@@ -95,7 +81,7 @@ async def test_a_waiter_by_id_for_another_hosts_query_is_woken_by_its_ack(
     hosts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = hosts
-    looked = looks(monkeypatch, b)
+    looked = record_returns(monkeypatch, b, "_lookup")
     item = a.add("p:theirs", "{}").id
     waiter = asyncio.ensure_future(b.result_blocking(item, 60_000))
     await wait_until(lambda: looked == [None], within=30)
@@ -110,7 +96,7 @@ async def test_a_waiter_for_its_own_hosts_query_watches_nothing(
     hosts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = hosts
-    looked = looks(monkeypatch, b)
+    looked = record_returns(monkeypatch, b, "_lookup")
     item = b.add("p:mine", "{}").id
     waiter = asyncio.ensure_future(b.result_blocking("p:mine", 60_000))
     await wait_until(lambda: looked == [None], within=30)
