@@ -20,11 +20,18 @@ from queryqueue.engine.records import (
 SAVEPOINT = "SAVEPOINT command"
 NEXT_SAVEPOINT = "RELEASE SAVEPOINT command; SAVEPOINT command"
 UNDO_SAVEPOINT = "ROLLBACK TO SAVEPOINT command"
+
+
+def found_columns(with_payload: bool = False) -> str:
+    """An item as a command finds it: its columns, the store that added it (watches.py)
+    and the transaction's id (`PostgresTransaction._found`)."""
+    return f"{ITEM_COLUMNS}{', payload' if with_payload else ''}, origin, txid_current()"
+
+
+FOUND_COLUMNS = found_columns()
 # The reads an ADD may make, the same text whether sent ahead (`expect_add`) or not.
 # Locking the row found gives the transaction its id (the row's locker): read with it,
-# what a lost COMMIT is looked up by costs no statement (`_commit_in_pipeline`). The
-# store that added the item comes with it (watches.py).
-FOUND_COLUMNS = f"{ITEM_COLUMNS}, origin, txid_current()"
+# what a lost COMMIT is looked up by costs no statement (`_commit_in_pipeline`).
 FIND_BY_PATH = f"SELECT {FOUND_COLUMNS} FROM items WHERE prefix = %s AND key = %s FOR UPDATE"
 EXTERNAL_ID_TAKEN = "SELECT 1 FROM items WHERE external_id = %s"
 # An ACK's item, read with the batch's first statements (`PostgresQueueStore.expect`).

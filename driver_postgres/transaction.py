@@ -22,6 +22,7 @@ from queryqueue.driver_postgres.statements import (
     FIND_BY_PATH,
     INSERT_ITEM,
     INSERT_ITEM_WITH_ID,
+    found_columns,
     prefix_lock_key,
 )
 from queryqueue.driver_postgres.watches import Watches
@@ -179,7 +180,7 @@ class PostgresTransaction(Watches, ResultRows, PoolHeads):
         return True, cursor.fetchone()
 
     def find(self, key: QueueKey, *, with_payload: bool = False) -> Item | None:
-        columns = ITEM_COLUMNS + (", payload" if with_payload else "") + ", origin, txid_current()"
+        columns = found_columns(with_payload)
         if isinstance(key, int):
             cursor = None if with_payload else self._foreseen.pop(key, None)
             if cursor is not None:

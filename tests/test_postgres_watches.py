@@ -42,6 +42,24 @@ def watched(store: Any) -> list[str]:
     return [row[0] for row in rows]
 
 
+async def parked(
+    monkeypatch: pytest.MonkeyPatch, store: Any, key: Any
+) -> tuple[asyncio.Future[Any], list[Any]]:
+    """A long poll of `store` for `key`, once its first look has ended (found nothing),
+    and what each of its looks found."""
+    looked = record_returns(monkeypatch, store, "_lookup")
+    waiter = asyncio.ensure_future(store.result_blocking(key, 60_000))
+    await wait_until(lambda: looked == [None], within=30)
+    return waiter, looked
+
+
+async def woken_by_the_ack(waiter: asyncio.Future[Any], looked: list[Any]) -> None:
+    """The long poll answered with the ACK's result, by its NOTIFY: no second look."""
+    found = await asyncio.wait_for(waiter, 20)
+    assert found is not None and found.payload == '"done"'
+    assert len(looked) == 1
+
+
 def test_an_ack_of_a_hosts_own_query_nobody_watches_tells_no_other_host(
     hosts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,46 +84,34 @@ async def test_a_waiter_for_a_query_not_added_yet_is_woken_by_the_other_hosts_ac
     hosts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = hosts
-    looked = record_returns(monkeypatch, b, "_lookup")
-    waiter = asyncio.ensure_future(b.result_blocking("p:later", 60_000))
-    await wait_until(lambda: looked == [None], within=30)
+    waiter, looked = await parked(monkeypatch, b, "p:later")
     assert watched(b) == ["p:later"]
     item = a.add("p:later", "{}").id
     assert a.ack(item, '"done"').success
-    found = await asyncio.wait_for(waiter, 20)
-    assert found is not None and found.payload == '"done"'
-    assert len(looked) == 1  # woken by the NOTIFY, not by a second look
+    await woken_by_the_ack(waiter, looked)
 
 
 async def test_a_waiter_by_id_for_another_hosts_query_is_woken_by_its_ack(
     hosts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = hosts
-    looked = record_returns(monkeypatch, b, "_lookup")
     item = a.add("p:theirs", "{}").id
-    waiter = asyncio.ensure_future(b.result_blocking(item, 60_000))
-    await wait_until(lambda: looked == [None], within=30)
+    waiter, looked = await parked(monkeypatch, b, item)
     assert watched(b) == ["p:theirs"]
     assert a.ack(item, '"done"').success
-    found = await asyncio.wait_for(waiter, 20)
-    assert found is not None and found.payload == '"done"'
-    assert len(looked) == 1
+    await woken_by_the_ack(waiter, looked)
 
 
 async def test_a_waiter_for_its_own_hosts_query_watches_nothing(
     hosts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = hosts
-    looked = record_returns(monkeypatch, b, "_lookup")
     item = b.add("p:mine", "{}").id
-    waiter = asyncio.ensure_future(b.result_blocking("p:mine", 60_000))
-    await wait_until(lambda: looked == [None], within=30)
+    waiter, looked = await parked(monkeypatch, b, "p:mine")
     assert watched(b) == []
     # Another host's ACK of b's query is always announced.
     assert a.ack(item, '"done"').success
-    found = await asyncio.wait_for(waiter, 20)
-    assert found is not None and found.payload == '"done"'
-    assert len(looked) == 1
+    await woken_by_the_ack(waiter, looked)
 
 
 def test_an_expired_watch_is_purged() -> None:
