@@ -71,6 +71,11 @@ class Connection:
     # Answers of one loop iteration (a batch) leave in one write: a syscall per answer
     # was a fifth of the supervisor's time.
     outbox: list[bytes] = field(default_factory=list)
+    # Bytes in `outbox` and `unsynced`, kept as they change: `buffered` is asked before
+    # every frame taken, and summing thousands of queued answers each time made a flood
+    # of requests quadratic.
+    outbox_bytes: int = 0
+    unsynced_bytes: int = 0
     # Prefixes whose freed slots this connection wants to hear of (a process waiting to
     # retrieve its own stream item: nobody else may retrieve it for it).
     watching: set[str] = field(default_factory=set)
@@ -94,8 +99,7 @@ class Connection:
         return self.closed or self.transport.is_closing()
 
     def buffered(self) -> int:
-        held = sum(len(frame) for _, frame in self.unsynced) if self.unsynced else 0
-        return self.transport.get_write_buffer_size() + sum(map(len, self.outbox)) + held
+        return self.transport.get_write_buffer_size() + self.outbox_bytes + self.unsynced_bytes
 
     def send(self, message: dict[str, Any], *, after_sync: bool = True) -> None:
         """`after_sync`: held until what has committed so far is durable (synced.py)."""
@@ -118,25 +122,30 @@ class Connection:
                     commit = max(commit or 0, self.unsynced[-1][0])
                 assert commit is not None
                 self.unsynced.append((commit, frame))
+                self.unsynced_bytes += len(frame)
                 gate.hold(self, commit)
                 return
         if not self.outbox:
             self.flush_soon(self)
         self.outbox.append(frame)
+        self.outbox_bytes += len(frame)
 
     def release_synced(self, commit: int | None) -> None:
         unsynced = self.unsynced
         while unsynced and (commit is None or unsynced[0][0] <= commit):
-            self._queue(unsynced.popleft()[1], after_sync=False)
+            frame = unsynced.popleft()[1]
+            self.unsynced_bytes -= len(frame)
+            self._queue(frame, after_sync=False)
 
     def cut_off(self) -> None:
         self.unsynced.clear()
+        self.unsynced_bytes = 0
         if not self.gone():
             self.closed = True
             self.transport.abort()
 
     def flush(self) -> None:
-        frames, self.outbox = self.outbox, []
+        frames, self.outbox, self.outbox_bytes = self.outbox, [], 0
         if frames and not self.gone():
             transport = self.transport
             transport.write(b"".join(frames))

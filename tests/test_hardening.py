@@ -248,6 +248,8 @@ async def test_a_client_that_does_not_read_is_not_read_either_and_loses_nothing(
         # Once it reads, every answer arrives.
         replies = await asyncio.to_thread(_read_replies, slow, count)
         await sending
+        # What it counts as unsent falls back to nothing once everything was written.
+        await wait_until(lambda: connection.buffered() == 0, what="nothing left unsent")
         slow.close()
         assert len(replies) == count and all("ok" in r for r in replies)
     finally:

@@ -199,11 +199,15 @@ async def test_an_answer_leaves_only_once_its_commit_is_synced(
         adding = await _add_awaiting_its_sync(driver, held)
         await wait_until(lambda: server.gate is not None and server.gate.held >= 1)
         assert not adding.done()
+        (connection,) = [c for c in server.connections if c.unsynced]
+        assert connection.buffered() >= sum(len(frame) for _, frame in connection.unsynced)
         with sqlite3.connect(workdir / "q.db") as reader:  # committed, not answered
             assert reader.execute("SELECT key FROM items WHERE prefix = 'p'").fetchall() == [("a",)]
         held.go.set()
         answer = await asyncio.wait_for(adding, 30)
         assert answer.added and answer.pending == 1
+        # The held answer was counted out as it left.
+        await wait_until(lambda: connection.buffered() == 0, what="nothing left unsent")
         wal = (await server.describe())["wal"]
         assert wal["answers_held_for_sync"] >= 1 and wal["wal_syncs"] >= 1
 
