@@ -15,6 +15,10 @@ point against the curve's first (`of_first`).
 5. the PostgreSQL peers (pgqueuer, procrastinate) beside queryqueue's PostgreSQL store,
    throughput and idle latency (scale_peers.py).
 
+Every curve is measured in rounds, a repetition (or a slice of samples) of each of its
+points in turn: a shared VM's speed can drift by 2x within the hour, and a point measured
+only in its own minutes would carry that drift into its ratio.
+
     python -m benchmarks --only scale
 """
 
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import hosts, peers, scale_backlog, scale_peers, scale_tenants
-from benchmarks.drive import Job, drive, supervisor_for
+from benchmarks.drive import Job, Run, drive, supervisor_for
 from benchmarks.measure import TreeMeter
 from benchmarks.ours import curve_row, summary_row
 
@@ -83,29 +87,31 @@ def supervisors(n: int, reps: int) -> list[dict[str, Any]]:
 
 
 def waiters(points: list[int], total: int, reps: int) -> list[dict[str, Any]]:
-    """`total` no-op queries from one process, `point` of them in flight at once."""
-    made = []
-    first: float | None = None
-    for point in points:
-        runs, per_call = [], []
-        for rep in range(reps):
+    """`total` no-op queries from one process, `point` of them in flight at once; in
+    rounds, every point in each, so a drift in the machine's speed reaches them alike."""
+    runs: dict[int, list[Run]] = {point: [] for point in points}
+    per_call: dict[int, list[float]] = {point: [] for point in points}
+    for rep in range(reps):
+        for point in points:
             with supervisor_for() as supervisor:
                 jobs = [[Job("noop", ["waiters", point, rep, i], {}) for i in range(total)]]
                 with TreeMeter(roots=[supervisor.pid], children=False) as meter:
-                    runs.append(drive(supervisor, jobs, in_flight=point))
-                per_call.append((meter.peak_rss - meter.start_rss) / point)
-        rates = [r.rate for r in runs]
+                    runs[point].append(drive(supervisor, jobs, in_flight=point))
+                per_call[point].append((meter.peak_rss - meter.start_rss) / point)
+    made = []
+    first: float | None = None
+    for point in points:
         row = summary_row(
             "scale",
             f"queryqueue: {point:,} calls in flight in one process",
-            runs,
+            runs[point],
             total,
             settings=f"one asyncio process, {total:,} no-op queries, {point:,} at once; "
             f"the supervisor parks {LONG_POLLS:,} long polls a connection, 2 workers",
-            metric=("queries/s", rates),
+            metric=("queries/s", [r.rate for r in runs[point]]),
             latency=True,
         )
-        row["supervisor_bytes_per_call"] = round(max(per_call))
+        row["supervisor_bytes_per_call"] = round(max(per_call[point]))
         first = curve_row(row, "calls in flight", point, first)
         made.append(row)
     return made

@@ -11,7 +11,8 @@ the median of many, in a store that keeps its backlog as it is:
 - reconcile head: PENDING with the queue's concurrency as its limit, what a Cube-style
   caller's reconcile reads.
 The supervisor's own reading of `stats` over its socket, with that backlog in its
-database, is a row of its own (`stats over the socket`).
+database, is a row of its own (`stats over the socket`). Every backlog is made first and
+then measured in rounds, a slice of each point's samples in turn.
 """
 
 from __future__ import annotations
@@ -34,32 +35,40 @@ from queryqueue.supervisor.launch import launch
 PREFIX = "bench"  # the benchmark app's: the supervisor's pool serves it
 FILL_BATCH = 10_000
 SAMPLES = 300
+SOCKET_SAMPLES = 60
+SOCKET_WARM = 40  # a round's unmeasured requests before its samples
+ROUNDS = 6
 CONCURRENCY = 2
+FAST = "fast track (ADD, retrieve, ACK)"
+OPERATIONS = ("add", FAST, "stats", "reconcile head")
 
 
 def rows(points: list[int]) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="qq-bench-", dir="/tmp") as tmp:
+        dbs = [Path(tmp) / f"queue{pending}.db" for pending in points]
+        stores = [SqliteQueueStore(db) for db in dbs]
+        try:
+            for store, pending in zip(stores, points, strict=True):
+                _fill(store, pending)
+            samples = _timed(stores)
+        finally:
+            for store in stores:
+                store.close()
+        for at, over_socket in enumerate(_socket_stats(dbs, Path(tmp))):
+            samples[at]["stats over the socket"] = over_socket
     made: list[dict[str, Any]] = []
     firsts: dict[str, float] = {}
-    for pending in points:
-        with tempfile.TemporaryDirectory(prefix="qq-bench-", dir="/tmp") as tmp:
-            db = Path(tmp) / "queue.db"
-            store = SqliteQueueStore(db)
-            try:
-                _fill(store, pending)
-                timings = _timed(store)
-            finally:
-                store.close()
-            timings["stats over the socket"] = _socket_stats(db, Path(tmp) / "s.sock")
-        for operation, median_us in timings.items():
+    for pending, timings in zip(points, samples, strict=True):
+        for operation, taken in timings.items():
             row: dict[str, Any] = {
                 "workload": "scale",
                 "system": f"queryqueue: {operation}, {pending:,} pending",
-                "n": SAMPLES,
+                "n": len(taken),
                 "repetitions": 1,
                 "metric": "us (median)",
-                **spread([median_us]),
+                **spread([statistics.median(taken)]),
                 "settings": f"SQLite store in process, {pending:,} priority-0 items "
-                f"pending on the queue, median of {SAMPLES}",
+                f"pending on the queue, median of {len(taken)} in {ROUNDS} rounds",
             }
             curve = f"backlog: {operation}"
             firsts[operation] = curve_row(row, curve, pending, firsts.get(operation))
@@ -81,19 +90,22 @@ def _fill(store: SqliteQueueStore, pending: int) -> None:
     store.retrieve(f"{PREFIX}:running", concurrency=CONCURRENCY)
 
 
-def _timed(store: SqliteQueueStore) -> dict[str, float]:
-    adds, fast, described, heads = [], [], [], []
-    for i in range(SAMPLES):
-        adds.append(_us(partial(store.add, f"{PREFIX}:new{i}", "{}")))
-        fast.append(_us(partial(_fast_track, store, f"urgent{i}")))
-        described.append(_us(store.describe))
-        heads.append(_us(partial(store.pending, PREFIX, limit=CONCURRENCY)))
-    return {
-        "add": statistics.median(adds),
-        "fast track (ADD, retrieve, ACK)": statistics.median(fast),
-        "stats": statistics.median(described),
-        "reconcile head": statistics.median(heads),
-    }
+def _timed(stores: list[SqliteQueueStore]) -> list[dict[str, list[float]]]:
+    """Each store's samples, taken in rounds (a slice of every backlog in each): a drift
+    in the machine's speed then reaches every point of the curve alike."""
+    samples: list[dict[str, list[float]]] = [
+        {operation: [] for operation in OPERATIONS} for _ in stores
+    ]
+    for round_ in range(ROUNDS):
+        for store, taken in zip(stores, samples, strict=True):
+            for n in range(round_ * SAMPLES // ROUNDS, (round_ + 1) * SAMPLES // ROUNDS):
+                taken["add"].append(_us(partial(store.add, f"{PREFIX}:new{n}", "{}")))
+                taken[FAST].append(_us(partial(_fast_track, store, f"urgent{n}")))
+                taken["stats"].append(_us(store.describe))
+                taken["reconcile head"].append(
+                    _us(partial(store.pending, PREFIX, limit=CONCURRENCY))
+                )
+    return samples
 
 
 def _fast_track(store: SqliteQueueStore, key: str) -> None:
@@ -111,27 +123,36 @@ def _us(call: Callable[[], object]) -> float:
     return (time.perf_counter() - started) * 1e6
 
 
-def _socket_stats(db: Path, socket_path: Path) -> float:
-    """`stats` over a supervisor's socket, as `queryqueue status` asks it, its backlog
-    in its database (no pool, so nothing drains it)."""
-    supervisor = launch(db, socket_path, cwd=REPO)
+def _socket_stats(dbs: list[Path], tmp: Path) -> list[list[float]]:
+    """`stats` over a supervisor's socket, as `queryqueue status` asks it, its backlog in
+    its database (no pool, so nothing drains it): a supervisor a backlog, asked in rounds."""
+    supervisors = []
     try:
-        return asyncio.run(_ask_stats(socket_path))
+        for at, db in enumerate(dbs):
+            supervisors.append(launch(db, tmp / f"s{at}.sock", cwd=REPO))
+        return asyncio.run(_ask_stats([s.socket_path for s in supervisors]))
     finally:
-        supervisor.stop()
+        for supervisor in supervisors:
+            supervisor.stop()
 
 
-async def _ask_stats(socket_path: Path) -> float:
+async def _ask_stats(socket_paths: list[Path]) -> list[list[float]]:
     from queryqueue.driver_socket.client import SocketQueueDriver
 
-    driver = SocketQueueDriver(socket_path)
+    drivers = [SocketQueueDriver(path) for path in socket_paths]
+    samples: list[list[float]] = [[] for _ in drivers]
     try:
-        await driver.stats()
-        samples = []
-        for _ in range(50):
-            started = time.perf_counter()
-            await driver.stats()
-            samples.append((time.perf_counter() - started) * 1e6)
-        return statistics.median(samples)
+        for _ in range(ROUNDS):
+            for driver, taken in zip(drivers, samples, strict=True):
+                # Unmeasured first: a process woken from idle answers its first rapid
+                # requests several times slower (the VM's CPU, not the supervisor).
+                for _ in range(SOCKET_WARM):
+                    await driver.stats()
+                for _ in range(SOCKET_SAMPLES // ROUNDS):
+                    started = time.perf_counter()
+                    await driver.stats()
+                    taken.append((time.perf_counter() - started) * 1e6)
+        return samples
     finally:
-        await driver.close()
+        for driver in drivers:
+            await driver.close()

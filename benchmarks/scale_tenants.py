@@ -30,10 +30,14 @@ PROCESSES = 4
 
 
 def rows(points: list[int], total: int, reps: int, idle: int) -> list[dict[str, Any]]:
+    shapes = [*((p, 0) for p in points), (1, idle)]
+    rates: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
+    for _ in range(reps):  # in rounds: each shape meets every drift of the machine
+        for prefixes, idle_ones in shapes:
+            rates[prefixes, idle_ones].append(_one_run(prefixes, total, idle_ones))
     made = []
     first: float | None = None
-    for prefixes, idle_ones in [*((p, 0) for p in points), (1, idle)]:
-        rates = [_one_run(prefixes, total, idle_ones) for _ in range(reps)]
+    for prefixes, idle_ones in shapes:
         beside = f" beside {idle_ones:,} idle ones" if idle_ones else ""
         named = f"{prefixes:,} prefix{'es' if prefixes > 1 else ''}"
         row: dict[str, Any] = {
@@ -42,7 +46,7 @@ def rows(points: list[int], total: int, reps: int, idle: int) -> list[dict[str, 
             "n": total,
             "repetitions": reps,
             "metric": "queries/s",
-            **spread(rates),
+            **spread(rates[prefixes, idle_ones]),
             "settings": f"{PROCESSES} processes, {IN_FLIGHT:,} calls in flight over {named}, "
             f"budget {IN_FLIGHT // prefixes:,} each, no-op queries run by the callers",
         }
