@@ -56,9 +56,13 @@ class Watches(ABC):
     @abstractmethod
     def lock(self, prefix: str) -> None: ...
 
+    def _added_here(self, origin: str | None) -> bool:
+        """Whether the store `origin` names is this one (an item with none is nobody's)."""
+        return bool(self._origin) and origin == self._origin
+
     def _seen(self, item: Item, origin: str | None) -> None:
         """`item`, found or inserted, added by the store `origin` names."""
-        known = (bool(self._origin) and origin == self._origin, item.path)
+        known = (self._added_here(origin), item.path)
         self.origins[item.id] = self.origins[item.path] = known
 
     def _known(self, key: QueueKey) -> tuple[bool, str] | None:
@@ -76,7 +80,7 @@ class Watches(ABC):
                 row = self._one("SELECT prefix, key, origin FROM items WHERE id = %s", (key,))
                 if row is None:
                     return  # done already (the look finds its result), or never queued
-                if self._origin and row[2] == self._origin:
+                if self._added_here(row[2]):
                     return
                 known = (False, f"{row[0]}:{row[1]}")
             self.lock(known[1].rpartition(":")[0])
@@ -89,7 +93,7 @@ class Watches(ABC):
                 row = self._one(
                     "SELECT origin FROM items WHERE prefix = %s AND key = %s", (prefix, name)
                 )
-                if row is not None and self._origin and row[0] == self._origin:
+                if row is not None and self._added_here(row[0]):
                     return
         self._write(WATCH, (path, now + WATCH_MS))
 
